@@ -1,0 +1,38 @@
+//! The maps shared with the agent. Names and layouts come from `proxy_abi`; every map is pinned
+//! by name so it outlives the agent, and the agent may resize each one at load time.
+
+use aya_ebpf::{
+    macros::map,
+    maps::{HashMap, LruHashMap, PerCpuArray},
+};
+use proxy_abi::{
+    capacity, stat, Backend4, BackendId, RevNat4, RevNatId, RevSock4, RevSockKey4, ServiceKey4,
+    ServiceValue4,
+};
+
+// The `name` strings must equal `proxy_abi::map_name::*`; the agent looks each one up by that
+// name at start-up and refuses to run if one is missing.
+#[map(name = "epx_svc4_v1")]
+pub static SERVICES4: HashMap<ServiceKey4, ServiceValue4> =
+    HashMap::pinned(capacity::SERVICES4, 0);
+
+#[map(name = "epx_be4_v1")]
+pub static BACKENDS4: HashMap<BackendId, Backend4> = HashMap::pinned(capacity::BACKENDS4, 0);
+
+#[map(name = "epx_revnat4_v1")]
+pub static REV_NAT4: HashMap<RevNatId, RevNat4> = HashMap::pinned(capacity::REV_NAT4, 0);
+
+#[map(name = "epx_revsk4_v1")]
+pub static REV_SOCK4: LruHashMap<RevSockKey4, RevSock4> =
+    LruHashMap::pinned(capacity::REV_SOCK4, 0);
+
+#[map(name = "epx_stats_v1")]
+pub static STATS: PerCpuArray<u64> = PerCpuArray::pinned(stat::COUNT, 0);
+
+#[inline(always)]
+pub fn count(index: u32) {
+    if let Some(counter) = STATS.get_ptr_mut(index) {
+        // Per-CPU slot: no other writer can race with this increment.
+        unsafe { *counter += 1 };
+    }
+}

@@ -1,0 +1,206 @@
+//! The agent's main loop: load or re-open the datapath, wait for a complete view of the source,
+//! then keep the maps equal to the desired state. It never sits on the packet path, and exiting
+//! (SIGTERM, SIGKILL, crash) leaves the datapath attached and serving the last state.
+
+use std::collections::BTreeSet;
+use std::error::Error;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::desired::{self, NodeConfig};
+use crate::http::{self, Response};
+use crate::kernel::{self, MapCapacities};
+use crate::reconcile::Reconciler;
+use crate::source;
+use crate::AgentArgs;
+
+/// What health and metrics report. Updated by the loop, read by the HTTP handlers.
+#[derive(Default)]
+struct Status {
+    /// Unix time of the last successful sync, if any.
+    last_synced: Option<f64>,
+    syncs: u64,
+    sync_failures: u64,
+    last_sync_seconds: f64,
+    frontends: usize,
+    backends: usize,
+    rejected_objects: usize,
+}
+
+fn now_unix() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or_default()
+}
+
+/// Formats an error with its causes: `outer: inner: innermost`.
+pub fn error_chain(error: &dyn Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let _ = write!(text, ": {cause}");
+        source = cause.source();
+    }
+    text
+}
+
+pub async fn run(args: AgentArgs, manifest_path: PathBuf) -> anyhow::Result<()> {
+    if !args.interfaces.is_empty() {
+        tracing::warn!(interfaces = ?args.interfaces, "--interfaces is for the packet-level datapath (NodePort), which this build does not have yet; ignored");
+    }
+    let cgroup = args.cgroup.clone().context("no cgroup")?;
+    let caps = MapCapacities {
+        services: args.map_size_services,
+        backends: args.map_size_backends,
+        rev_nat: args.map_size_rev_nat,
+        rev_sock: args.map_size_rev_sock,
+    };
+    let datapath = kernel::load(&args.bpffs, &cgroup, &caps).context("setting up the datapath")?;
+    let mut reconciler = Reconciler::adopt(datapath.maps).context("reading the pinned maps")?;
+    tracing::info!(
+        bpffs = %args.bpffs.display(),
+        cgroup = %cgroup.display(),
+        frontends = reconciler.programmed_frontends(),
+        backends = reconciler.programmed_backends(),
+        "datapath ready; re-learned what the pinned maps hold, changing nothing until the source is read"
+    );
+
+    let status = Arc::new(Mutex::new(Status::default()));
+    let _healthz = {
+        let status = status.clone();
+        http::serve(args.healthz_bind, move |path| healthz(&status, path))
+            .await
+            .with_context(|| format!("binding --healthz-bind {}", args.healthz_bind))?
+    };
+    let _metrics = {
+        let status = status.clone();
+        let bpffs = args.bpffs.clone();
+        http::serve(args.metrics_bind, move |path| metrics(&status, &bpffs, path))
+            .await
+            .with_context(|| format!("binding --metrics-bind {}", args.metrics_bind))?
+    };
+
+    let config = NodeConfig { node_name: args.node_name.clone() };
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut interval = tokio::time::interval(args.poll_interval);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut applied_snapshot = None;
+    let mut reported: BTreeSet<String> = BTreeSet::new();
+    let mut read_error_reported = false;
+
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+        }
+        let snapshot = match source::read_manifests(&manifest_path) {
+            Ok(snapshot) => {
+                read_error_reported = false;
+                snapshot
+            }
+            Err(error) => {
+                // Keep serving the last state: an unreadable source is never an empty one.
+                if !read_error_reported {
+                    tracing::warn!("{}; keeping the last programmed state", error_chain(&error));
+                    read_error_reported = true;
+                }
+                continue;
+            }
+        };
+        if applied_snapshot.as_ref() == Some(&snapshot) {
+            continue;
+        }
+
+        let started = Instant::now();
+        let (cluster, mut rejections) = source::parse_manifests(&snapshot);
+        let desired = desired::compute(&cluster, &config);
+        rejections.extend(desired.rejections.iter().cloned());
+        let report = reconciler.reconcile(&desired);
+        let elapsed = started.elapsed();
+
+        // Each problem is logged once while it persists, not on every retry.
+        let mut current = BTreeSet::new();
+        for rejection in &rejections {
+            current.insert(format!("rejected {rejection}"));
+        }
+        for failure in &report.failures {
+            current.insert(format!("not programmed: {}: {}", failure.what, error_chain(&failure.error)));
+        }
+        for problem in current.difference(&reported) {
+            tracing::warn!("{problem}");
+        }
+        reported = current;
+
+        let mut st = status.lock().expect("status lock");
+        st.frontends = reconciler.programmed_frontends();
+        st.backends = reconciler.programmed_backends();
+        st.rejected_objects = rejections.len();
+        st.last_sync_seconds = elapsed.as_secs_f64();
+        if report.failures.is_empty() {
+            st.syncs += 1;
+            st.last_synced = Some(now_unix());
+            // Retried on the next tick otherwise (e.g. a full map that was then enlarged).
+            applied_snapshot = Some(snapshot);
+        } else {
+            st.sync_failures += 1;
+        }
+        tracing::info!(
+            frontends = st.frontends,
+            backends = st.backends,
+            writes = report.writes,
+            failures = report.failures.len(),
+            took_ms = format!("{:.2}", elapsed.as_secs_f64() * 1e3),
+            "synced"
+        );
+    }
+    tracing::info!("stopping; the datapath stays attached and keeps serving the last state (`ebpf-proxy cleanup` removes it)");
+    Ok(())
+}
+
+fn healthz(status: &Mutex<Status>, path: &str) -> Response {
+    let st = status.lock().expect("status lock");
+    match path {
+        "/livez" => Response::text(200, "ok"),
+        "/healthz" => {
+            let now = now_unix();
+            let body = format!(
+                "{{\"lastUpdated\": {}, \"currentTime\": {now:.3}}}",
+                st.last_synced.map_or("null".to_owned(), |t| format!("{t:.3}"))
+            );
+            Response::json(if st.last_synced.is_some() { 200 } else { 503 }, body)
+        }
+        _ => Response::text(404, "not found"),
+    }
+}
+
+fn metrics(status: &Mutex<Status>, bpffs: &std::path::Path, path: &str) -> Response {
+    if path != "/metrics" {
+        return Response::text(404, "not found");
+    }
+    let mut out = String::new();
+    {
+        let st = status.lock().expect("status lock");
+        let mut gauge = |name: &str, help: &str, kind: &str, value: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+        };
+        gauge("ebpf_proxy_sync_total", "Successful syncs of the datapath.", "counter", st.syncs as f64);
+        gauge("ebpf_proxy_sync_failures_total", "Syncs with a frontend that could not be programmed.", "counter", st.sync_failures as f64);
+        gauge("ebpf_proxy_last_sync_duration_seconds", "Duration of the last sync.", "gauge", st.last_sync_seconds);
+        gauge("ebpf_proxy_last_sync_timestamp_seconds", "Unix time of the last successful sync.", "gauge", st.last_synced.unwrap_or(0.0));
+        gauge("ebpf_proxy_frontends_programmed", "Frontends (VIP, port, protocol) in the datapath.", "gauge", st.frontends as f64);
+        gauge("ebpf_proxy_backends_programmed", "Backends in the datapath.", "gauge", st.backends as f64);
+        gauge("ebpf_proxy_rejected_objects", "Objects or parts of objects rejected in the last sync.", "gauge", st.rejected_objects as f64);
+    }
+    if let Ok(counters) = kernel::read_counters(bpffs) {
+        let _ = writeln!(out, "# HELP ebpf_proxy_datapath_events_total Datapath verdicts by kind.\n# TYPE ebpf_proxy_datapath_events_total counter");
+        for (value, name) in counters.into_iter().zip(proxy_abi::stat::NAMES) {
+            let _ = writeln!(out, "ebpf_proxy_datapath_events_total{{kind=\"{name}\"}} {value}");
+        }
+    }
+    Response { status: 200, content_type: "text/plain; version=0.0.4", body: out }
+}

@@ -1,0 +1,458 @@
+//! Everything that touches the kernel: bpffs, loading the embedded object, pinned maps, attaching
+//! programs through pinned links, and the `LbMaps` implementation over the pinned maps.
+//!
+//! The datapath must outlive the agent: maps are pinned by name under `--bpffs`, and each program
+//! is attached through a bpf_link pinned under `--bpffs/links`. A restarted or upgraded agent
+//! swaps the program inside an existing link atomically (BPF_LINK_UPDATE) instead of detaching.
+
+use std::ffi::CString;
+use std::fs;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use aya::maps::{HashMap, Map, MapData, MapType};
+use aya::programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink};
+use aya::{Ebpf, EbpfLoader};
+use proxy_abi::{
+    capacity, map_name, Backend4, BackendId, RevNat4, RevNatId, RevSock4, RevSockKey4, ServiceKey4,
+    ServiceValue4,
+};
+
+use crate::lbmap::{LbMaps, MapError};
+
+/// The eBPF object, embedded at build time by `cargo xtask build`.
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
+
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+
+/// The socket-LB programs: ELF function name, and the name of its pinned link.
+pub const SOCK_PROGRAMS: [&str; 4] = ["epx_connect4", "epx_sendmsg4", "epx_recvmsg4", "epx_getpeername4"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    #[error("this binary was built without its eBPF object; build it with `cargo xtask build`")]
+    NoObject,
+    #[error("{path} is not a cgroup v2 directory (look for the cgroup2 line in /proc/mounts)")]
+    NotCgroup2 { path: PathBuf },
+    #[error("cannot prepare bpffs directory {path}")]
+    Bpffs {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "pinned map {path} has {found}, this build expects {expected}; \
+         run `ebpf-proxy cleanup` (drops all service state) or use another --bpffs"
+    )]
+    IncompatiblePin { path: PathBuf, found: String, expected: String },
+    #[error("loading the eBPF object failed")]
+    Load(#[source] aya::EbpfError),
+    #[error("the eBPF object has no {kind} named {name}")]
+    Missing { kind: &'static str, name: &'static str },
+    #[error("the kernel rejected program {name}")]
+    Program {
+        name: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("map {name} does not have the expected layout")]
+    MapLayout {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("cannot {action} link {path}")]
+    Link {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Sizes the operator may change (`--map-size-*`).
+#[derive(Clone, Copy, Debug)]
+pub struct MapCapacities {
+    pub services: u32,
+    pub backends: u32,
+    pub rev_nat: u32,
+    pub rev_sock: u32,
+}
+
+impl Default for MapCapacities {
+    fn default() -> Self {
+        Self {
+            services: capacity::SERVICES4,
+            backends: capacity::BACKENDS4,
+            rev_nat: capacity::REV_NAT4,
+            rev_sock: capacity::REV_SOCK4,
+        }
+    }
+}
+
+/// What each pinned map must look like for this build.
+struct MapLayout {
+    name: &'static str,
+    map_type: MapType,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+}
+
+fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 5] {
+    use std::mem::size_of;
+    let size = |n: usize| n as u32;
+    [
+        MapLayout {
+            name: map_name::SERVICES4,
+            map_type: MapType::Hash,
+            key_size: size(size_of::<ServiceKey4>()),
+            value_size: size(size_of::<ServiceValue4>()),
+            max_entries: caps.services,
+        },
+        MapLayout {
+            name: map_name::BACKENDS4,
+            map_type: MapType::Hash,
+            key_size: size(size_of::<BackendId>()),
+            value_size: size(size_of::<Backend4>()),
+            max_entries: caps.backends,
+        },
+        MapLayout {
+            name: map_name::REV_NAT4,
+            map_type: MapType::Hash,
+            key_size: size(size_of::<RevNatId>()),
+            value_size: size(size_of::<RevNat4>()),
+            max_entries: caps.rev_nat,
+        },
+        MapLayout {
+            name: map_name::REV_SOCK4,
+            map_type: MapType::LruHash,
+            key_size: size(size_of::<RevSockKey4>()),
+            value_size: size(size_of::<RevSock4>()),
+            max_entries: caps.rev_sock,
+        },
+        MapLayout {
+            name: map_name::STATS,
+            map_type: MapType::PerCpuArray,
+            key_size: 4,
+            value_size: 8,
+            max_entries: proxy_abi::stat::COUNT,
+        },
+    ]
+}
+
+fn statfs_type(path: &Path) -> io::Result<i64> {
+    let c_path = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid NUL-terminated path and a properly sized out-parameter.
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut stat) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(stat.f_type as i64)
+}
+
+/// Makes sure `dir` exists on a bpffs, mounting bpffs at /sys/fs/bpf when nothing is mounted
+/// there (a fresh node, or a reboot).
+pub fn prepare_bpffs(dir: &Path) -> Result<(), DatapathError> {
+    let err = |source| DatapathError::Bpffs { path: dir.to_owned(), source };
+    let mount_point = Path::new("/sys/fs/bpf");
+    if dir.starts_with(mount_point) && statfs_type(mount_point).map_err(err)? != BPF_FS_MAGIC {
+        tracing::info!("bpffs is not mounted at /sys/fs/bpf, mounting it");
+        let source = CString::new("bpf").expect("static");
+        let target = CString::new("/sys/fs/bpf").expect("static");
+        // SAFETY: plain mount(2) with static NUL-terminated strings.
+        let rc = unsafe {
+            libc::mount(source.as_ptr(), target.as_ptr(), source.as_ptr(), 0, std::ptr::null())
+        };
+        if rc != 0 {
+            return Err(err(io::Error::last_os_error()));
+        }
+    }
+    fs::create_dir_all(dir.join("links")).map_err(err)?;
+    if statfs_type(dir).map_err(err)? != BPF_FS_MAGIC {
+        return Err(err(io::Error::other("not on a bpf filesystem")));
+    }
+    Ok(())
+}
+
+/// Refuses to reuse a pinned map whose type, key, value or capacity differ from this build's.
+///
+/// aya (before 0.16) would silently reuse it, and the programs would read garbage.
+fn check_pinned_layouts(dir: &Path, caps: &MapCapacities) -> Result<(), DatapathError> {
+    for layout in expected_layouts(caps) {
+        let path = dir.join(layout.name);
+        if !path.exists() {
+            continue;
+        }
+        let info = aya::maps::MapInfo::from_pin(&path)
+            .map_err(|source| DatapathError::MapLayout { name: layout.name, source })?;
+        let found_type = info.map_type().map_err(|source| DatapathError::MapLayout { name: layout.name, source })?;
+        let describe = |t: MapType, k: u32, v: u32, n: u32| format!("type {t:?}, key {k} B, value {v} B, {n} entries");
+        let found = describe(found_type, info.key_size(), info.value_size(), info.max_entries());
+        let expected = describe(layout.map_type, layout.key_size, layout.value_size, layout.max_entries);
+        if found != expected {
+            return Err(DatapathError::IncompatiblePin { path, found, expected });
+        }
+    }
+    Ok(())
+}
+
+/// The loaded datapath: programs attached, maps pinned.
+pub struct Datapath {
+    _ebpf: Ebpf,
+    pub maps: KernelMaps,
+}
+
+/// Loads the object (reusing pinned maps), attaches every program to `cgroup` through a pinned
+/// link (or swaps the program inside the existing link), and hands out the maps.
+pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities) -> Result<Datapath, DatapathError> {
+    if EBPF_OBJECT.is_empty() {
+        return Err(DatapathError::NoObject);
+    }
+    if statfs_type(cgroup).ok() != Some(CGROUP2_SUPER_MAGIC) {
+        return Err(DatapathError::NotCgroup2 { path: cgroup.to_owned() });
+    }
+    prepare_bpffs(bpffs)?;
+    check_pinned_layouts(bpffs, caps)?;
+
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(bpffs)
+        .map_max_entries(map_name::SERVICES4, caps.services)
+        .map_max_entries(map_name::BACKENDS4, caps.backends)
+        .map_max_entries(map_name::REV_NAT4, caps.rev_nat)
+        .map_max_entries(map_name::REV_SOCK4, caps.rev_sock)
+        .load(EBPF_OBJECT)
+        .map_err(DatapathError::Load)?;
+
+    let cgroup_dir = fs::File::open(cgroup).map_err(|source| DatapathError::Bpffs { path: cgroup.to_owned(), source })?;
+    for name in SOCK_PROGRAMS {
+        let program: &mut CgroupSockAddr = ebpf
+            .program_mut(name)
+            .ok_or(DatapathError::Missing { kind: "program", name })?
+            .try_into()
+            .map_err(|source| DatapathError::Program { name, source })?;
+        program.load().map_err(|source| DatapathError::Program { name, source })?;
+        let link_path = bpffs.join("links").join(name);
+        let prog_fd = program.fd().map_err(|source| DatapathError::Program { name, source })?;
+        let link_err = |action, source| DatapathError::Link { action, path: link_path.clone(), source };
+        if link_path.exists() {
+            // Atomic replacement: the hook is never without a program, so no connection made
+            // during an upgrade misses translation.
+            let link = bpf_obj_get(&link_path).map_err(|e| link_err("open pinned", e))?;
+            bpf_link_update(link.as_fd(), prog_fd.as_fd()).map_err(|e| link_err("update", e))?;
+            tracing::debug!(program = name, "replaced the program inside the pinned link");
+        } else {
+            // bpf_link_create takes no flags for cgroups: links always coexist with other
+            // programs on the same hook (`Single` maps to flags 0).
+            let link_id = program
+                .attach(&cgroup_dir, CgroupAttachMode::Single)
+                .map_err(|source| DatapathError::Program { name, source })?;
+            let link = program.take_link(link_id).map_err(|source| DatapathError::Program { name, source })?;
+            let link = FdLink::try_from(link).map_err(|e| link_err("convert", io::Error::other(e.to_string())))?;
+            link.pin(&link_path).map_err(|e| link_err("pin", io::Error::other(e.to_string())))?;
+            tracing::info!(program = name, cgroup = %cgroup.display(), "attached and pinned");
+        }
+    }
+
+    let maps = KernelMaps::from_ebpf(&mut ebpf)?;
+    Ok(Datapath { _ebpf: ebpf, maps })
+}
+
+/// `bpf(BPF_OBJ_GET)`: opens a pinned object.
+fn bpf_obj_get(path: &Path) -> io::Result<OwnedFd> {
+    const BPF_OBJ_GET: libc::c_long = 7;
+    #[repr(C)]
+    struct ObjGetAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        pad: u32,
+    }
+    let c_path = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    let attr = ObjGetAttr { pathname: c_path.as_ptr() as u64, bpf_fd: 0, file_flags: 0, path_fd: 0, pad: 0 };
+    // SAFETY: attr is a valid, fully initialised bpf_attr prefix for BPF_OBJ_GET.
+    let fd = unsafe {
+        libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr as *const ObjGetAttr, std::mem::size_of::<ObjGetAttr>())
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel returned a new file descriptor that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `bpf(BPF_LINK_UPDATE)`: swaps the program of a link in place.
+fn bpf_link_update(link: BorrowedFd<'_>, program: BorrowedFd<'_>) -> io::Result<()> {
+    const BPF_LINK_UPDATE: libc::c_long = 29;
+    #[repr(C)]
+    struct LinkUpdateAttr {
+        link_fd: u32,
+        new_prog_fd: u32,
+        flags: u32,
+        old_prog_fd: u32,
+    }
+    let attr = LinkUpdateAttr {
+        link_fd: link.as_raw_fd() as u32,
+        new_prog_fd: program.as_raw_fd() as u32,
+        flags: 0,
+        old_prog_fd: 0,
+    };
+    // SAFETY: attr is a valid, fully initialised bpf_attr prefix for BPF_LINK_UPDATE.
+    let rc = unsafe {
+        libc::syscall(libc::SYS_bpf, BPF_LINK_UPDATE, &attr as *const LinkUpdateAttr, std::mem::size_of::<LinkUpdateAttr>())
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The pinned service, backend and reverse-NAT maps.
+pub struct KernelMaps {
+    services: HashMap<MapData, ServiceKey4, ServiceValue4>,
+    backends: HashMap<MapData, BackendId, Backend4>,
+    rev_nats: HashMap<MapData, RevNatId, RevNat4>,
+}
+
+fn typed<K: aya::Pod, V: aya::Pod>(map: Map, name: &'static str) -> Result<HashMap<MapData, K, V>, DatapathError> {
+    HashMap::try_from(map).map_err(|source| DatapathError::MapLayout { name, source })
+}
+
+impl KernelMaps {
+    fn from_ebpf(ebpf: &mut Ebpf) -> Result<Self, DatapathError> {
+        let mut take = |name: &'static str| ebpf.take_map(name).ok_or(DatapathError::Missing { kind: "map", name });
+        Ok(Self {
+            services: typed(take(map_name::SERVICES4)?, map_name::SERVICES4)?,
+            backends: typed(take(map_name::BACKENDS4)?, map_name::BACKENDS4)?,
+            rev_nats: typed(take(map_name::REV_NAT4)?, map_name::REV_NAT4)?,
+        })
+    }
+
+    /// Opens the pinned maps without loading anything (for `dump`, and the agent-less checks).
+    pub fn open_pinned(bpffs: &Path) -> Result<Self, DatapathError> {
+        let open = |name: &'static str| -> Result<Map, DatapathError> {
+            let data = MapData::from_pin(bpffs.join(name)).map_err(|source| DatapathError::MapLayout { name, source })?;
+            Map::from_map_data(data).map_err(|source| DatapathError::MapLayout { name, source })
+        };
+        Ok(Self {
+            services: typed(open(map_name::SERVICES4)?, map_name::SERVICES4)?,
+            backends: typed(open(map_name::BACKENDS4)?, map_name::BACKENDS4)?,
+            rev_nats: typed(open(map_name::REV_NAT4)?, map_name::REV_NAT4)?,
+        })
+    }
+}
+
+fn dump_map<K: aya::Pod, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+    name: &'static str,
+) -> Result<Vec<(K, V)>, MapError> {
+    map.iter()
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| MapError::from_io(name, "iterate", aya_io_error(e)))
+}
+
+fn aya_io_error(error: aya::maps::MapError) -> io::Error {
+    match error {
+        aya::maps::MapError::SyscallError(syscall) => syscall.io_error,
+        other => io::Error::other(other.to_string()),
+    }
+}
+
+fn write_result(name: &'static str, op: &'static str, result: Result<(), aya::maps::MapError>) -> Result<(), MapError> {
+    match result {
+        Ok(()) => Ok(()),
+        // Deleting what is already gone is success: every reconciler step is idempotent.
+        Err(aya::maps::MapError::KeyNotFound) if op == "delete" => Ok(()),
+        Err(e) => {
+            let io = aya_io_error(e);
+            if op == "delete" && io.raw_os_error() == Some(libc::ENOENT) {
+                return Ok(());
+            }
+            Err(MapError::from_io(name, op, io))
+        }
+    }
+}
+
+impl LbMaps for KernelMaps {
+    fn services(&self) -> Result<Vec<(ServiceKey4, ServiceValue4)>, MapError> {
+        dump_map(&self.services, map_name::SERVICES4)
+    }
+    fn backends(&self) -> Result<Vec<(BackendId, Backend4)>, MapError> {
+        dump_map(&self.backends, map_name::BACKENDS4)
+    }
+    fn rev_nats(&self) -> Result<Vec<(RevNatId, RevNat4)>, MapError> {
+        dump_map(&self.rev_nats, map_name::REV_NAT4)
+    }
+    fn put_service(&mut self, key: &ServiceKey4, value: &ServiceValue4) -> Result<(), MapError> {
+        write_result(map_name::SERVICES4, "update", self.services.insert(key, value, 0))
+    }
+    fn delete_service(&mut self, key: &ServiceKey4) -> Result<(), MapError> {
+        write_result(map_name::SERVICES4, "delete", self.services.remove(key))
+    }
+    fn put_backend(&mut self, id: BackendId, value: &Backend4) -> Result<(), MapError> {
+        write_result(map_name::BACKENDS4, "update", self.backends.insert(id, value, 0))
+    }
+    fn delete_backend(&mut self, id: BackendId) -> Result<(), MapError> {
+        write_result(map_name::BACKENDS4, "delete", self.backends.remove(&id))
+    }
+    fn put_rev_nat(&mut self, id: RevNatId, value: &RevNat4) -> Result<(), MapError> {
+        write_result(map_name::REV_NAT4, "update", self.rev_nats.insert(id, value, 0))
+    }
+    fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), MapError> {
+        write_result(map_name::REV_NAT4, "delete", self.rev_nats.remove(&id))
+    }
+}
+
+/// Per-CPU counters summed over CPUs, by `proxy_abi::stat` index.
+pub fn read_counters(bpffs: &Path) -> Result<Vec<u64>, DatapathError> {
+    let name = map_name::STATS;
+    let data = MapData::from_pin(bpffs.join(name)).map_err(|source| DatapathError::MapLayout { name, source })?;
+    let map = Map::from_map_data(data).map_err(|source| DatapathError::MapLayout { name, source })?;
+    let array = aya::maps::PerCpuArray::<MapData, u64>::try_from(map)
+        .map_err(|source| DatapathError::MapLayout { name, source })?;
+    (0..proxy_abi::stat::COUNT)
+        .map(|i| {
+            array
+                .get(&i, 0)
+                .map(|values| values.iter().sum())
+                .map_err(|source| DatapathError::MapLayout { name, source })
+        })
+        .collect()
+}
+
+/// Number of live entries in the socket reverse-translation LRU.
+pub fn count_rev_sock_entries(bpffs: &Path) -> Result<usize, DatapathError> {
+    let name = map_name::REV_SOCK4;
+    let data = MapData::from_pin(bpffs.join(name)).map_err(|source| DatapathError::MapLayout { name, source })?;
+    let map = Map::from_map_data(data).map_err(|source| DatapathError::MapLayout { name, source })?;
+    let lru = HashMap::<MapData, RevSockKey4, RevSock4>::try_from(map)
+        .map_err(|source| DatapathError::MapLayout { name, source })?;
+    Ok(lru.keys().filter(Result::is_ok).count())
+}
+
+/// Detaches (by unpinning the links) and unpins everything under `bpffs`. Returns what it removed.
+pub fn cleanup(bpffs: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    let links = bpffs.join("links");
+    if links.is_dir() {
+        for entry in fs::read_dir(&links)? {
+            let path = entry?.path();
+            fs::remove_file(&path)?;
+            removed.push(path);
+        }
+        fs::remove_dir(&links)?;
+    }
+    if bpffs.is_dir() {
+        for entry in fs::read_dir(bpffs)? {
+            let path = entry?.path();
+            fs::remove_file(&path)?;
+            removed.push(path);
+        }
+        fs::remove_dir(bpffs)?;
+    }
+    Ok(removed)
+}

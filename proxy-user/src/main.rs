@@ -1,0 +1,162 @@
+//! `ebpf-proxy`: the node agent that fills the kernel's load-balancing maps, and its tools.
+
+mod agent;
+mod desired;
+mod dump;
+mod http;
+mod ipparse;
+mod kernel;
+mod lbmap;
+mod reconcile;
+mod source;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "ebpf-proxy", version, about = "eBPF Service load balancing that replaces kube-proxy")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the node agent: fill the pinned maps from the source and keep them in sync.
+    Agent(AgentArgs),
+    /// Print the services and backends the kernel is using, from the pinned maps.
+    Dump {
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Detach and unpin everything the agent created. Service traffic stops being translated.
+    Cleanup {
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+    },
+}
+
+const DEFAULT_BPFFS: &str = "/sys/fs/bpf/ebpf-proxy";
+
+#[derive(Args, Clone, Debug)]
+pub struct AgentArgs {
+    /// Where Services and EndpointSlices come from: `file:PATH` (a manifest file or directory).
+    #[arg(long)]
+    pub source: String,
+    /// This node's name (endpoints' nodeName are compared with it).
+    #[arg(long, env = "NODE_NAME", default_value_t = default_node_name())]
+    pub node_name: String,
+    /// cgroup v2 directory whose processes get socket-level load balancing (default: the root).
+    #[arg(long)]
+    pub cgroup: Option<PathBuf>,
+    /// bpffs directory for the pinned maps and links.
+    #[arg(long, default_value = DEFAULT_BPFFS)]
+    pub bpffs: PathBuf,
+    /// Interfaces for the packet-level datapath (NodePort, external traffic), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub interfaces: Vec<String>,
+    /// Directory for the agent's own state (checkpoint, lock).
+    #[arg(long, default_value = "/var/lib/ebpf-proxy")]
+    pub state_dir: PathBuf,
+    /// Address for /healthz and /livez (as kube-proxy).
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    pub healthz_bind: SocketAddr,
+    /// Address for /metrics (as kube-proxy).
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    pub metrics_bind: SocketAddr,
+    /// How often a file source is checked for changes.
+    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    pub poll_interval: Duration,
+    /// Capacity of the service map (frontends × (1 + backends)).
+    #[arg(long, default_value_t = proxy_abi::capacity::SERVICES4)]
+    pub map_size_services: u32,
+    /// Capacity of the backend map.
+    #[arg(long, default_value_t = proxy_abi::capacity::BACKENDS4)]
+    pub map_size_backends: u32,
+    /// Capacity of the reverse-NAT map (one entry per frontend).
+    #[arg(long, default_value_t = proxy_abi::capacity::REV_NAT4)]
+    pub map_size_rev_nat: u32,
+    /// Capacity of the socket reverse-translation LRU.
+    #[arg(long, default_value_t = proxy_abi::capacity::REV_SOCK4)]
+    pub map_size_rev_sock: u32,
+}
+
+fn default_node_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default()
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let number: u64 = number.parse().map_err(|_| format!("invalid duration {text:?}"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(number)),
+        "s" | "" => Ok(Duration::from_secs(number)),
+        _ => Err(format!("invalid duration unit in {text:?} (use ms or s)")),
+    }
+}
+
+/// The cgroup v2 mount point, from /proc/mounts (`/sys/fs/cgroup` or, on hybrid hosts,
+/// `/sys/fs/cgroup/unified`).
+fn cgroup2_root() -> anyhow::Result<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
+    mounts
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (_, mount_point, fs_type) = (fields.next()?, fields.next()?, fields.next()?);
+            (fs_type == "cgroup2").then(|| PathBuf::from(mount_point))
+        })
+        .next()
+        .context("no cgroup2 filesystem is mounted; ebpf-proxy needs cgroup v2 (kernel ≥ 4.17)")
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Agent(mut args) => {
+            if args.cgroup.is_none() {
+                args.cgroup = Some(cgroup2_root()?);
+            }
+            let Some(path) = args.source.strip_prefix("file:") else {
+                bail!("unsupported --source {:?}: use file:PATH", args.source);
+            };
+            let path = PathBuf::from(path);
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?
+                .block_on(agent::run(args, path))
+        }
+        Command::Dump { bpffs, json } => {
+            let dump = dump::collect(&bpffs)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&dump)?);
+            } else {
+                dump::print_text(&dump);
+            }
+            Ok(())
+        }
+        Command::Cleanup { bpffs } => {
+            let removed = kernel::cleanup(&bpffs).with_context(|| format!("cleaning up {}", bpffs.display()))?;
+            for path in &removed {
+                println!("removed {}", path.display());
+            }
+            println!("{} pinned objects removed; socket-level Service translation is off", removed.len());
+            Ok(())
+        }
+    }
+}

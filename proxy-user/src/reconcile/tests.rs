@@ -1,0 +1,191 @@
+use std::collections::BTreeMap;
+
+use super::*;
+use crate::desired::{FrontendSpec, ServicePortName};
+use crate::lbmap::FakeMaps;
+
+fn frontend(last: u8, port: u16, proto: Proto) -> Frontend {
+    Frontend { addr: Ipv4Addr::new(10, 96, 0, last), port, proto, scope: Scope::Internal }
+}
+
+fn backend(last: u8, port: u16, proto: Proto) -> BackendAddr {
+    BackendAddr { addr: Ipv4Addr::new(10, 244, 1, last), port, proto }
+}
+
+fn desired(entries: &[(Frontend, Vec<BackendAddr>)]) -> DesiredState {
+    let mut state = DesiredState::default();
+    for (i, (frontend, backends)) in entries.iter().enumerate() {
+        let mut backends = backends.clone();
+        backends.sort();
+        backends.dedup();
+        state.frontends.insert(
+            *frontend,
+            FrontendSpec {
+                service: ServicePortName { namespace: "ns".into(), name: format!("svc{i}"), port: String::new() },
+                backends,
+            },
+        );
+    }
+    state
+}
+
+/// What the maps must hold for `desired`, independent of ids: frontend -> backend addresses.
+fn observed(maps: &FakeMaps) -> BTreeMap<Frontend, Vec<BackendAddr>> {
+    let mut out = BTreeMap::new();
+    for (key, value) in maps.services.iter().filter(|(k, _)| k.backend_slot == 0) {
+        let frontend = decode_frontend(key).unwrap();
+        let mut backends = Vec::new();
+        for slot in 1..=value.count {
+            let id = maps.services[&ServiceKey4 { backend_slot: slot, ..*key }].backend_id;
+            backends.push(decode_backend(&maps.backends[&id]).unwrap());
+        }
+        backends.sort();
+        let rev = maps.rev_nats[&value.rev_nat_id];
+        assert_eq!(rev, rev_nat_value(&frontend));
+        out.insert(frontend, backends);
+    }
+    out
+}
+
+fn expected(state: &DesiredState) -> BTreeMap<Frontend, Vec<BackendAddr>> {
+    state.frontends.iter().map(|(f, s)| (*f, s.backends.clone())).collect()
+}
+
+#[test]
+fn programs_a_service_and_applies_only_the_difference() {
+    let svc = frontend(10, 80, Proto::Tcp);
+    let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
+    let first = desired(&[(svc, vec![backend(1, 8080, Proto::Tcp), backend(2, 8080, Proto::Tcp)])]);
+    let report = reconciler.reconcile(&first);
+    assert!(report.failures.is_empty());
+    // 2 backends + 2 slots + rev-NAT + slot 0.
+    assert_eq!(report.writes, 6);
+    assert_eq!(observed(reconciler.maps()), expected(&first));
+
+    // Same state again: nothing to write.
+    assert_eq!(reconciler.reconcile(&first).writes, 0);
+
+    // Drop one backend: slot 1 rewritten (sorted order), slot 0 count, slot 2 trimmed, backend deleted.
+    let second = desired(&[(svc, vec![backend(2, 8080, Proto::Tcp)])]);
+    let report = reconciler.reconcile(&second);
+    assert!(report.failures.is_empty());
+    assert_eq!(report.writes, 4);
+    assert_eq!(observed(reconciler.maps()), expected(&second));
+    assert_eq!(reconciler.maps().backends.len(), 1);
+    assert!(reconciler.maps().violations.is_empty(), "{:?}", reconciler.maps().violations);
+}
+
+#[test]
+fn no_endpoints_programs_a_frontend_with_zero_count() {
+    let svc = frontend(11, 80, Proto::Tcp);
+    let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
+    reconciler.reconcile(&desired(&[(svc, vec![])]));
+    let slot0 = reconciler.maps().services[&service_key(&svc, 0)];
+    assert_eq!(slot0.count, 0, "the kernel must find the frontend to refuse it");
+}
+
+#[test]
+fn removal_deletes_frontend_slots_backends_and_rev_nat() {
+    let svc = frontend(10, 53, Proto::Udp);
+    let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
+    reconciler.reconcile(&desired(&[(svc, vec![backend(1, 53, Proto::Udp)])]));
+    let report = reconciler.reconcile(&DesiredState::default());
+    assert!(report.failures.is_empty());
+    let maps = reconciler.maps();
+    assert!(maps.services.is_empty() && maps.backends.is_empty() && maps.rev_nats.is_empty());
+}
+
+#[test]
+fn restart_keeps_ids_and_changes_nothing_that_is_already_right() {
+    let a = frontend(10, 80, Proto::Tcp);
+    let b = frontend(11, 53, Proto::Udp);
+    let state = desired(&[(a, vec![backend(1, 80, Proto::Tcp)]), (b, vec![backend(2, 53, Proto::Udp)])]);
+    let mut first = Reconciler::adopt(FakeMaps::default()).unwrap();
+    first.reconcile(&state);
+    let ids = (first.rev_nat_id(&a), first.rev_nat_id(&b));
+    let maps_before = first.maps().clone();
+
+    let mut second = Reconciler::adopt(maps_before.clone()).unwrap();
+    assert_eq!((second.rev_nat_id(&a), second.rev_nat_id(&b)), ids);
+    let report = second.reconcile(&state);
+    assert_eq!(report.writes, 0, "a restart with unchanged state must write nothing");
+    assert_eq!(second.maps().services, maps_before.services);
+    assert_eq!(second.maps().backends, maps_before.backends);
+}
+
+#[test]
+fn full_map_fails_only_the_service_that_does_not_fit() {
+    // Room for 3 service entries: one frontend with 2 backends fills it.
+    let mut reconciler = Reconciler::adopt(FakeMaps::with_capacity(3)).unwrap();
+    let a = frontend(10, 80, Proto::Tcp);
+    let b = frontend(20, 80, Proto::Tcp);
+    let first = desired(&[(a, vec![backend(1, 80, Proto::Tcp), backend(2, 80, Proto::Tcp)])]);
+    assert!(reconciler.reconcile(&first).failures.is_empty());
+
+    let mut both = first.clone();
+    both.frontends.extend(desired(&[(b, vec![backend(3, 80, Proto::Tcp)])]).frontends);
+    let report = reconciler.reconcile(&both);
+    assert_eq!(report.failures.len(), 1);
+    let failure = &report.failures[0];
+    assert!(failure.what.contains("10.96.0.20:80/TCP"), "{}", failure.what);
+    assert!(matches!(failure.error, ReconcileError::Map(MapError::Full { .. })));
+    // The one that fitted is intact and the maps are consistent.
+    assert_eq!(observed(reconciler.maps()), expected(&first));
+    assert!(reconciler.maps().violations.is_empty());
+}
+
+/// xorshift64*: deterministic, dependency-free randomness for model tests.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn random_state(rng: &mut Rng) -> DesiredState {
+    let mut entries = Vec::new();
+    for vip in 0..rng.below(6) as u8 {
+        let proto = if rng.below(2) == 0 { Proto::Tcp } else { Proto::Udp };
+        let backends = (0..rng.below(5)).map(|_| backend(rng.below(8) as u8, 8080, proto)).collect();
+        entries.push((frontend(vip, 80 + rng.below(2) as u16, proto), backends));
+    }
+    entries.sort_by_key(|(f, _)| *f);
+    entries.dedup_by_key(|(f, _)| *f);
+    desired(&entries)
+}
+
+/// Long random sequences of desired states, with a write failure injected at a random point of
+/// every other pass: the kernel-visible state is consistent after every single write, and one
+/// clean pass always converges to exactly the desired state (nothing stale left behind).
+#[test]
+fn random_sequences_with_injected_failures_stay_consistent_and_converge() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
+    for round in 0..400 {
+        let state = random_state(&mut rng);
+        if round % 2 == 0 {
+            reconciler.maps.writes_until_failure = Some(rng.below(12) as usize);
+            reconciler.reconcile(&state);
+            reconciler.maps.writes_until_failure = None;
+        }
+        if round % 7 == 0 {
+            // An agent restart in the middle of it all.
+            let maps = reconciler.maps.clone();
+            reconciler = Reconciler::adopt(maps).unwrap();
+        }
+        let report = reconciler.reconcile(&state);
+        assert!(report.failures.is_empty(), "round {round}: {:?}", report.failures);
+        assert_eq!(observed(&reconciler.maps), expected(&state), "round {round}");
+        let referenced: BTreeSet<_> =
+            reconciler.maps.services.values().map(|v| v.backend_id).filter(|id| *id != 0).collect();
+        assert!(reconciler.maps.backends.keys().all(|id| referenced.contains(id)), "round {round}: leaked backend");
+        assert_eq!(reconciler.maps.rev_nats.len(), state.frontends.len(), "round {round}: leaked rev-NAT");
+        assert!(reconciler.maps.violations.is_empty(), "round {round}: {:?}", reconciler.maps.violations);
+    }
+}

@@ -1,0 +1,150 @@
+//! Where cluster objects come from. `file:PATH` reads ordinary Kubernetes manifests (a
+//! multi-document YAML or JSON file, or a directory of them) and notices when they change.
+//!
+//! A document that cannot be read is reported with its file and position and skipped; it never
+//! stops the other documents from being used.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use serde::Deserialize;
+
+use crate::desired::{ClusterState, Rejection};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("cannot read manifests from {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The raw bytes of every manifest file, keyed by path: compared between polls to notice changes.
+pub type ManifestSnapshot = BTreeMap<PathBuf, Vec<u8>>;
+
+/// Reads the manifest file, or every `*.yaml`, `*.yml` and `*.json` file of a directory.
+pub fn read_manifests(path: &Path) -> Result<ManifestSnapshot, SourceError> {
+    let err = |source| SourceError::Read { path: path.to_owned(), source };
+    let mut snapshot = BTreeMap::new();
+    if path.is_dir() {
+        for entry in fs::read_dir(path).map_err(err)? {
+            let file = entry.map_err(err)?.path();
+            let is_manifest = file
+                .extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
+            if is_manifest && file.is_file() {
+                let bytes = fs::read(&file).map_err(|source| SourceError::Read { path: file.clone(), source })?;
+                snapshot.insert(file, bytes);
+            }
+        }
+    } else {
+        snapshot.insert(path.to_owned(), fs::read(path).map_err(err)?);
+    }
+    Ok(snapshot)
+}
+
+#[derive(Deserialize)]
+struct TypeMeta {
+    #[serde(rename = "apiVersion", default)]
+    api_version: String,
+    #[serde(default)]
+    kind: String,
+}
+
+/// Parses every document. Objects of other kinds are ignored; broken ones become rejections.
+pub fn parse_manifests(snapshot: &ManifestSnapshot) -> (ClusterState, Vec<Rejection>) {
+    let mut state = ClusterState::default();
+    let mut rejections = Vec::new();
+    for (path, bytes) in snapshot {
+        let text = String::from_utf8_lossy(bytes);
+        for (index, document) in serde_yaml::Deserializer::from_str(&text).enumerate() {
+            let object = format!("{} document {}", path.display(), index + 1);
+            match serde_yaml::Value::deserialize(document) {
+                Ok(serde_yaml::Value::Null) => {}
+                Ok(value) => add_object(value, &object, &mut state, &mut rejections),
+                Err(error) => {
+                    rejections.push(Rejection { object, reason: format!("not valid YAML: {error}") });
+                    // The YAML stream cannot be resynchronised after a syntax error.
+                    break;
+                }
+            }
+        }
+    }
+    (state, rejections)
+}
+
+fn add_object(value: serde_yaml::Value, object: &str, state: &mut ClusterState, rejections: &mut Vec<Rejection>) {
+    let meta: TypeMeta = match serde_yaml::from_value(value.clone()) {
+        Ok(meta) => meta,
+        Err(error) => {
+            rejections.push(Rejection { object: object.to_owned(), reason: format!("not a Kubernetes object: {error}") });
+            return;
+        }
+    };
+    let mut reject = |reason: String| rejections.push(Rejection { object: format!("{object} ({})", meta.kind), reason });
+    match (meta.api_version.as_str(), meta.kind.as_str()) {
+        ("v1", "List") => {
+            let items = value.get("items").and_then(|i| i.as_sequence()).cloned().unwrap_or_default();
+            for (i, item) in items.into_iter().enumerate() {
+                add_object(item, &format!("{object} item {}", i + 1), state, rejections);
+            }
+        }
+        ("v1", "Service") => match serde_yaml::from_value::<Service>(value) {
+            Ok(service) => state.services.push(service),
+            Err(error) => reject(error.to_string()),
+        },
+        ("discovery.k8s.io/v1", "EndpointSlice") => match serde_yaml::from_value::<EndpointSlice>(value) {
+            Ok(slice) => state.slices.push(slice),
+            Err(error) => reject(error.to_string()),
+        },
+        ("v1", "Node") => match serde_yaml::from_value::<Node>(value) {
+            Ok(node) => state.node = Some(node),
+            Err(error) => reject(error.to_string()),
+        },
+        _ => tracing::debug!(object, kind = meta.kind, "ignoring object of another kind"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_services_and_slices_and_reports_broken_documents() {
+        let manifest = br#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec: {clusterIP: 10.96.0.10, ports: [{port: 80, protocol: TCP}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.1.2]}]
+ports: [{port: 8080, protocol: TCP}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: broken}
+spec: {ports: "not a list"}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: other}
+"#;
+        let snapshot = BTreeMap::from([(PathBuf::from("m.yaml"), manifest.to_vec())]);
+        let (state, rejections) = parse_manifests(&snapshot);
+        assert_eq!(state.services.len(), 1);
+        assert_eq!(state.slices.len(), 1);
+        assert_eq!(rejections.len(), 1, "{rejections:?}");
+        assert!(rejections[0].object.starts_with("m.yaml document 3 (Service)"), "{}", rejections[0]);
+    }
+}
