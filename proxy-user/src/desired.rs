@@ -394,3 +394,177 @@ fn usable_backends(
     }
     chosen.into_iter().map(|(addr, port)| BackendAddr { addr, port, proto }).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(yaml: &str) -> Service {
+        serde_yaml::from_str(yaml).expect("test Service")
+    }
+
+    fn slice(yaml: &str) -> EndpointSlice {
+        serde_yaml::from_str(yaml).expect("test EndpointSlice")
+    }
+
+    const WEB: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  clusterIP: 10.96.0.10
+  ports:
+  - {name: http, port: 80, targetPort: web, protocol: TCP}
+  - {name: metrics, port: 9090, targetPort: 9090, protocol: TCP}
+"#;
+
+    fn compute_for(services: &[&str], slices: &[&str]) -> DesiredState {
+        let cluster = ClusterState {
+            services: services.iter().map(|s| service(s)).collect(),
+            slices: slices.iter().map(|s| slice(s)).collect(),
+            node: None,
+        };
+        compute(&cluster, &NodeConfig::default())
+    }
+
+    fn fe(ip: &str, port: u16, proto: Proto) -> Frontend {
+        Frontend { addr: ip.parse().unwrap(), port, proto, scope: Scope::Internal }
+    }
+
+    fn backends(state: &DesiredState, frontend: Frontend) -> Vec<String> {
+        state.frontends[&frontend].backends.iter().map(|b| format!("{}:{}", b.addr, b.port)).collect()
+    }
+
+    #[test]
+    fn ports_resolve_by_service_port_name_whether_target_port_is_a_name_or_a_number() {
+        // The slice carries the resolved target port under the Service port's name.
+        let state = compute_for(
+            &[WEB],
+            &[r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-a, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.1.2]}, {addresses: [10.244.1.3]}]
+ports: [{name: http, port: 8080, protocol: TCP}, {name: metrics, port: 9090, protocol: TCP}]
+"#],
+        );
+        assert!(state.rejections.is_empty(), "{:?}", state.rejections);
+        assert_eq!(backends(&state, fe("10.96.0.10", 80, Proto::Tcp)), ["10.244.1.2:8080", "10.244.1.3:8080"]);
+        assert_eq!(backends(&state, fe("10.96.0.10", 9090, Proto::Tcp)), ["10.244.1.2:9090", "10.244.1.3:9090"]);
+    }
+
+    #[test]
+    fn several_slices_merge_and_a_duplicate_is_ready_if_any_copy_is() {
+        let state = compute_for(
+            &[WEB],
+            &[
+                r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-a, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.1.2]}, {addresses: [10.244.1.4], conditions: {ready: false}}]
+ports: [{name: http, port: 8080, protocol: TCP}]
+"#,
+                r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-b, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.2.7]}, {addresses: [10.244.1.4], conditions: {ready: true}}]
+ports: [{name: http, port: 8080, protocol: TCP}]
+"#,
+            ],
+        );
+        assert_eq!(
+            backends(&state, fe("10.96.0.10", 80, Proto::Tcp)),
+            ["10.244.1.2:8080", "10.244.1.4:8080", "10.244.2.7:8080"]
+        );
+        // No slice port named "metrics": the frontend exists and rejects.
+        assert!(backends(&state, fe("10.96.0.10", 9090, Proto::Tcp)).is_empty());
+    }
+
+    #[test]
+    fn not_ready_endpoints_are_excluded_and_terminating_ones_are_a_fallback() {
+        let only_not_ready = compute_for(
+            &[WEB],
+            &[r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-a, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints:
+- {addresses: [10.244.1.2], conditions: {ready: false}}
+- {addresses: [10.244.1.3], conditions: {ready: true}}
+ports: [{name: http, port: 8080, protocol: TCP}]
+"#],
+        );
+        assert_eq!(backends(&only_not_ready, fe("10.96.0.10", 80, Proto::Tcp)), ["10.244.1.3:8080"]);
+
+        let terminating = compute_for(
+            &[WEB],
+            &[r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-a, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints:
+- {addresses: [10.244.1.2], conditions: {ready: false, serving: true, terminating: true}}
+- {addresses: [10.244.1.3], conditions: {ready: false, serving: false, terminating: true}}
+ports: [{name: http, port: 8080, protocol: TCP}]
+"#],
+        );
+        assert_eq!(backends(&terminating, fe("10.96.0.10", 80, Proto::Tcp)), ["10.244.1.2:8080"]);
+    }
+
+    #[test]
+    fn headless_external_name_and_labelled_services_are_ignored() {
+        let state = compute_for(
+            &[
+                r#"{apiVersion: v1, kind: Service, metadata: {name: headless, namespace: a}, spec: {clusterIP: None, ports: [{port: 80}]}}"#,
+                r#"{apiVersion: v1, kind: Service, metadata: {name: ext, namespace: a}, spec: {type: ExternalName, externalName: example.com, clusterIP: 10.96.0.20, ports: [{port: 80}]}}"#,
+                r#"{apiVersion: v1, kind: Service, metadata: {name: other, namespace: a, labels: {service.kubernetes.io/service-proxy-name: foo}}, spec: {clusterIP: 10.96.0.21, ports: [{port: 80}]}}"#,
+                r#"{apiVersion: v1, kind: Service, metadata: {name: hl, namespace: a, labels: {service.kubernetes.io/headless: ""}}, spec: {clusterIP: 10.96.0.22, ports: [{port: 80}]}}"#,
+            ],
+            &[],
+        );
+        assert!(state.frontends.is_empty(), "{:?}", state.frontends.keys());
+        assert!(state.rejections.is_empty());
+    }
+
+    #[test]
+    fn tcp_and_udp_on_the_same_port_are_separate_frontends() {
+        let state = compute_for(
+            &[r#"{apiVersion: v1, kind: Service, metadata: {name: dns, namespace: kube-system}, spec: {clusterIP: 10.96.0.10, ports: [{name: dns, port: 53, protocol: UDP}, {name: dns-tcp, port: 53, protocol: TCP}]}}"#],
+            &[r#"{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: dns-a, namespace: kube-system, labels: {kubernetes.io/service-name: dns}}, addressType: IPv4, endpoints: [{addresses: [10.244.1.5]}], ports: [{name: dns, port: 5353, protocol: UDP}, {name: dns-tcp, port: 5354, protocol: TCP}]}"#],
+        );
+        assert_eq!(backends(&state, fe("10.96.0.10", 53, Proto::Udp)), ["10.244.1.5:5353"]);
+        assert_eq!(backends(&state, fe("10.96.0.10", 53, Proto::Tcp)), ["10.244.1.5:5354"]);
+        assert_eq!(state.frontends[&fe("10.96.0.10", 53, Proto::Udp)].backends[0].proto, Proto::Udp);
+    }
+
+    #[test]
+    fn bad_input_is_rejected_by_name_and_the_rest_still_programs() {
+        let state = compute_for(
+            &[
+                WEB,
+                r#"{apiVersion: v1, kind: Service, metadata: {name: badip, namespace: demo}, spec: {clusterIP: "10.96.0.300", ports: [{port: 80}]}}"#,
+                r#"{apiVersion: v1, kind: Service, metadata: {name: zeros, namespace: demo}, spec: {clusterIP: "010.096.000.011", ports: [{port: 80}]}}"#,
+                r#"{apiVersion: v1, kind: Service, metadata: {name: sctp, namespace: demo}, spec: {clusterIP: "10.96.0.12", ports: [{port: 80, protocol: SCTP}]}}"#,
+            ],
+            &[
+                r#"{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: orphan, namespace: demo}, addressType: IPv4, endpoints: [{addresses: [10.244.1.2]}], ports: [{port: 80}]}"#,
+                r#"{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-x, namespace: demo, labels: {kubernetes.io/service-name: web}}, addressType: IPv4, endpoints: [{addresses: [not-an-ip]}, {addresses: [10.244.1.9]}], ports: [{name: http, port: 8080}, {name: http, port: null}]}"#,
+            ],
+        );
+        let rejected: Vec<String> = state.rejections.iter().map(ToString::to_string).collect();
+        assert!(rejected.iter().any(|r| r.starts_with("Service demo/badip: invalid clusterIP")), "{rejected:?}");
+        assert!(rejected.iter().any(|r| r.starts_with("Service demo/sctp: protocol SCTP")), "{rejected:?}");
+        assert!(rejected.iter().any(|r| r.starts_with("EndpointSlice demo/orphan: no kubernetes.io/service-name")), "{rejected:?}");
+        assert!(rejected.iter().any(|r| r.contains("EndpointSlice demo/web-x") && r.contains("not-an-ip")), "{rejected:?}");
+        // Leading zeros read as decimal (CVE-2021-29923), not octal and not rejected.
+        assert!(state.frontends.contains_key(&fe("10.96.0.11", 80, Proto::Tcp)));
+        assert_eq!(backends(&state, fe("10.96.0.10", 80, Proto::Tcp)), ["10.244.1.9:8080"]);
+    }
+}

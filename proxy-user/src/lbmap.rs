@@ -3,10 +3,13 @@
 //!
 //! The kernel implementation lives in `kernel::KernelMaps`.
 
+#[cfg(test)]
 use std::collections::BTreeMap;
 use std::io;
 
-use proxy_abi::{map_name, Backend4, BackendId, RevNat4, RevNatId, ServiceKey4, ServiceValue4};
+#[cfg(test)]
+use proxy_abi::map_name;
+use proxy_abi::{Backend4, BackendId, RevNat4, RevNatId, ServiceKey4, ServiceValue4};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {

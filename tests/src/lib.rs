@@ -1,1 +1,47 @@
+//! Reusable pieces for end-to-end tests, the demo and (later) benchmarks.
+//!
+//! - [`topology`]: a node as a network namespace with a bridge, pods as namespaces on it, and a
+//!   cgroup v2 directory for the processes that get socket-level load balancing.
+//! - [`probe`]: the `epx-probe` traffic generator (servers that answer with their name, clients
+//!   that count answers and failed connections), run inside pods.
+//! - [`agent`]: runs `ebpf-proxy` against a manifest file with its own bpffs and cgroup.
+//!
+//! Everything is created with unique names and removed on drop, also when a test fails. Traffic
+//! never leaves the namespaces created here.
 
+pub mod agent;
+pub mod probe;
+pub mod topology;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Prefix of every namespace, cgroup and bpffs directory the tests create.
+pub const PREFIX: &str = "epxt";
+
+/// A short id unique to this process and call: namespaces and cgroups are named after it.
+pub fn unique_id() -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{}{}", std::process::id() % 100_000, n)
+}
+
+/// Where `ebpf-proxy` and `epx-probe` are: `$EPX_BIN_DIR`, else `target/release`.
+pub fn bin_dir() -> PathBuf {
+    std::env::var_os("EPX_BIN_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release")
+    })
+}
+
+pub fn bin(name: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    assert!(path.exists(), "{} is missing: build with `cargo xtask build` (or run `cargo xtask test`)", path.display());
+    path
+}
+
+/// Panics with a clear message unless running as root (namespaces, cgroups and bpffs need it).
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert!(euid == 0, "end-to-end tests need root (namespaces, cgroups, bpffs): run `sudo cargo xtask test`");
+}

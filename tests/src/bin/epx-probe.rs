@@ -1,1 +1,169 @@
-fn main(){}
+//! `epx-probe`: the traffic generator of the end-to-end tests.
+//!
+//! `serve` answers every TCP connection and UDP datagram with its name; `tcp` and `udp` make
+//! requests to an address and print one JSON summary line: how many were answered, by whom, and
+//! how many failed with which error. A failed connection is never retried or hidden.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use e2e::probe::Summary;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Answer with NAME on every TCP port and UDP port given (all addresses).
+    Serve {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        tcp: Vec<u16>,
+        #[arg(long)]
+        udp: Vec<u16>,
+    },
+    /// Make COUNT TCP connections to ADDR, one after another; read the server's name from each.
+    Tcp {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value_t = 1000)]
+        timeout_ms: u64,
+    },
+    /// Send COUNT UDP requests to ADDR, each from a new socket; read the name from each reply.
+    Udp {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value_t = 1000)]
+        timeout_ms: u64,
+    },
+}
+
+fn error_name(error: &std::io::Error) -> String {
+    match error.raw_os_error() {
+        Some(libc::ECONNREFUSED) => "ECONNREFUSED".into(),
+        Some(libc::ETIMEDOUT) => "ETIMEDOUT".into(),
+        Some(libc::EHOSTUNREACH) => "EHOSTUNREACH".into(),
+        Some(libc::ENETUNREACH) => "ENETUNREACH".into(),
+        Some(libc::EPERM) => "EPERM".into(),
+        Some(libc::EAGAIN) => "TIMEOUT".into(),
+        Some(code) => format!("errno{code}"),
+        None => match error.kind() {
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => "TIMEOUT".into(),
+            std::io::ErrorKind::UnexpectedEof => "EOF".into(),
+            kind => format!("{kind:?}"),
+        },
+    }
+}
+
+fn serve(name: String, tcp: Vec<u16>, udp: Vec<u16>) -> ! {
+    for port in tcp {
+        let listener = TcpListener::bind(("0.0.0.0", port)).expect("bind tcp");
+        let name = name.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    let mut stream = stream;
+                    let _ = stream.write_all(format!("{name}\n").as_bytes());
+                    // Long-lived streams: echo until the client closes.
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n) = stream.read(&mut buf) {
+                        if n == 0 || stream.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+    }
+    for port in udp {
+        let socket = UdpSocket::bind(("0.0.0.0", port)).expect("bind udp");
+        let name = name.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            while let Ok((_, from)) = socket.recv_from(&mut buf) {
+                let _ = socket.send_to(name.as_bytes(), from);
+            }
+        });
+    }
+    println!("ready");
+    let _ = std::io::stdout().flush();
+    loop {
+        std::thread::park();
+    }
+}
+
+fn tcp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+    let stream = TcpStream::connect_timeout(&to, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line)?;
+    if line.is_empty() {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    // The application must see the address it asked for, never the backend's.
+    let peer = stream.peer_addr()?;
+    if peer != to {
+        return Err(std::io::Error::other(format!("getpeername says {peer}, expected {to}")));
+    }
+    Ok(line.trim().to_owned())
+}
+
+fn udp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    socket.set_read_timeout(Some(timeout))?;
+    socket.send_to(b"ping", to)?;
+    let mut buf = [0u8; 2048];
+    let (n, from) = socket.recv_from(&mut buf)?;
+    // The reply must appear to come from the Service address (reverse translation).
+    if from != to {
+        return Err(std::io::Error::other(format!("reply came from {from}, expected {to}")));
+    }
+    Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+fn run_requests(count: u32, mut once: impl FnMut() -> std::io::Result<String>) -> Summary {
+    let started = Instant::now();
+    let mut summary = Summary { total: count, ..Default::default() };
+    let mut answers: BTreeMap<String, u32> = BTreeMap::new();
+    for _ in 0..count {
+        match once() {
+            Ok(name) => {
+                summary.ok += 1;
+                *answers.entry(name).or_default() += 1;
+            }
+            Err(error) => {
+                summary.failed += 1;
+                *summary.errors.entry(error_name(&error)).or_default() += 1;
+            }
+        }
+    }
+    summary.answers = answers;
+    summary.elapsed_ms = started.elapsed().as_millis() as u64;
+    summary
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let summary = match cli.command {
+        Cmd::Serve { name, tcp, udp } => serve(name, tcp, udp),
+        Cmd::Tcp { to, count, timeout_ms } => {
+            run_requests(count, || tcp_once(to, Duration::from_millis(timeout_ms)))
+        }
+        Cmd::Udp { to, count, timeout_ms } => {
+            run_requests(count, || udp_once(to, Duration::from_millis(timeout_ms)))
+        }
+    };
+    println!("{}", serde_json::to_string(&summary).expect("summary is serialisable"));
+}

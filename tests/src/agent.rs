@@ -1,0 +1,183 @@
+//! Running the real `ebpf-proxy` agent for a topology: its own bpffs directory, the topology's
+//! cgroup, a manifest file as source, health on a free loopback port.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use crate::topology::Topology;
+
+/// Two distinct free loopback ports (both held until chosen, so they cannot be the same).
+fn free_ports() -> (u16, u16) {
+    let bind = || TcpListener::bind("127.0.0.1:0").expect("free port");
+    let (a, b) = (bind(), bind());
+    let port = |l: &TcpListener| l.local_addr().expect("local addr").port();
+    (port(&a), port(&b))
+}
+
+/// `GET path` on 127.0.0.1:port; returns (status, body).
+pub fn http_get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    Ok((status, body))
+}
+
+/// The agent's files: manifest, log. Removed on drop.
+pub struct AgentDir {
+    pub dir: PathBuf,
+}
+
+impl AgentDir {
+    pub fn new(id: &str) -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(format!("{}-{id}", crate::PREFIX));
+        fs::create_dir_all(&dir)?;
+        Ok(Self { dir })
+    }
+    pub fn manifest(&self) -> PathBuf {
+        self.dir.join("manifest.yaml")
+    }
+    /// Replaces the manifest atomically (write + rename), as an editor or a ConfigMap update would.
+    pub fn write_manifest(&self, yaml: &str) -> anyhow::Result<()> {
+        let tmp = self.dir.join(".manifest.tmp");
+        fs::write(&tmp, yaml)?;
+        fs::rename(&tmp, self.manifest())?;
+        Ok(())
+    }
+}
+
+impl Drop for AgentDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A running agent. On drop it is killed and everything it pinned is removed.
+pub struct Agent {
+    child: Option<Child>,
+    pub bpffs: PathBuf,
+    pub cgroup: PathBuf,
+    pub manifest: PathBuf,
+    pub healthz_port: u16,
+    pub metrics_port: u16,
+    pub log: PathBuf,
+    starts: u32,
+}
+
+impl Agent {
+    /// Starts the agent for `topology` on `manifest` and waits until it has synced once.
+    pub fn start(topology: &Topology, dir: &AgentDir) -> anyhow::Result<Self> {
+        let (healthz_port, metrics_port) = free_ports();
+        let mut agent = Self {
+            child: None,
+            bpffs: PathBuf::from(format!("/sys/fs/bpf/{}-{}", crate::PREFIX, topology.id)),
+            cgroup: topology.cgroup.path.clone(),
+            manifest: dir.manifest(),
+            healthz_port,
+            metrics_port,
+            log: dir.dir.join("agent.log"),
+            starts: 0,
+        };
+        agent.restart()?;
+        Ok(agent)
+    }
+
+    /// Starts the agent process again (after `stop` or `kill`) and waits until it has synced.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.starts += 1;
+        let log = fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let child = Command::new(crate::bin("ebpf-proxy"))
+            .arg("agent")
+            .arg(format!("--source=file:{}", self.manifest.display()))
+            .arg("--cgroup")
+            .arg(&self.cgroup)
+            .arg("--bpffs")
+            .arg(&self.bpffs)
+            .arg(format!("--healthz-bind=127.0.0.1:{}", self.healthz_port))
+            .arg(format!("--metrics-bind=127.0.0.1:{}", self.metrics_port))
+            .arg("--node-name=node-1")
+            .env("RUST_LOG", "info")
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("spawning ebpf-proxy")?;
+        self.child = Some(child);
+        self.wait_healthy(Duration::from_secs(10))
+    }
+
+    /// Waits until /healthz answers 200 (the agent has programmed the datapath at least once).
+    pub fn wait_healthy(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok((200, _)) = http_get(self.healthz_port, "/healthz") {
+                return Ok(());
+            }
+            if let Some(child) = self.child.as_mut() {
+                if let Some(status) = child.try_wait()? {
+                    bail!("ebpf-proxy exited with {status}:\n{}", self.log_text());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("ebpf-proxy not healthy after {timeout:?}:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn signal(&mut self, signal: i32) -> anyhow::Result<()> {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: kill(2) on our own child process.
+            unsafe { libc::kill(child.id() as i32, signal) };
+            child.wait()?;
+        }
+        Ok(())
+    }
+
+    /// SIGTERM and wait: the datapath must stay attached.
+    pub fn stop(&mut self) -> anyhow::Result<()> {
+        self.signal(libc::SIGTERM)
+    }
+
+    /// SIGKILL and wait: as a crash or an OOM kill.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        self.signal(libc::SIGKILL)
+    }
+
+    /// `ebpf-proxy dump --json`, which reads only the pinned maps.
+    pub fn dump(&self) -> anyhow::Result<serde_json::Value> {
+        dump(&self.bpffs)
+    }
+}
+
+pub fn dump(bpffs: &Path) -> anyhow::Result<serde_json::Value> {
+    let output = crate::topology::run(Command::new(crate::bin("ebpf-proxy")).arg("dump").arg("--json").arg("--bpffs").arg(bpffs))?;
+    Ok(serde_json::from_slice(&output.stdout)?)
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.kill();
+        let _ = Command::new(crate::bin("ebpf-proxy"))
+            .arg("cleanup")
+            .arg("--bpffs")
+            .arg(&self.bpffs)
+            .stdout(Stdio::null())
+            .output();
+        if std::thread::panicking() {
+            eprintln!("--- ebpf-proxy log ({} starts) ---\n{}", self.starts, self.log_text());
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! Running `epx-probe` inside pods: backend servers, and clients that count answers and failures.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Stdio};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+
+use crate::topology::Topology;
+
+/// What a client run saw. `failed` counts every request that did not get an answer.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Summary {
+    pub total: u32,
+    pub ok: u32,
+    pub failed: u32,
+    /// Error name (ECONNREFUSED, TIMEOUT, ...) -> count.
+    pub errors: BTreeMap<String, u32>,
+    /// Name of the server that answered -> count.
+    pub answers: BTreeMap<String, u32>,
+    pub elapsed_ms: u64,
+}
+
+impl Summary {
+    pub fn answered_by(&self, name: &str) -> u32 {
+        self.answers.get(name).copied().unwrap_or(0)
+    }
+    pub fn errors_of(&self, name: &str) -> u32 {
+        self.errors.get(name).copied().unwrap_or(0)
+    }
+}
+
+/// A server process; killed on drop.
+pub struct Server {
+    child: Child,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `epx-probe serve` in `pod`, answering with `name` on the given ports, and waits
+/// until it listens.
+pub fn serve(topology: &Topology, pod: &str, name: &str, tcp: &[u16], udp: &[u16]) -> anyhow::Result<Server> {
+    let mut cmd = topology.command_in(pod, &crate::bin("epx-probe"))?;
+    cmd.args(["serve", "--name", name]);
+    for port in tcp {
+        cmd.args(["--tcp", &port.to_string()]);
+    }
+    for port in udp {
+        cmd.args(["--udp", &port.to_string()]);
+    }
+    let mut child = cmd.stdout(Stdio::piped()).spawn().context("spawning epx-probe serve")?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().context("stdout")?).read_line(&mut line)?;
+    if line.trim() != "ready" {
+        let _ = child.kill();
+        bail!("epx-probe serve in {pod} did not start: {line:?}");
+    }
+    Ok(Server { child })
+}
+
+/// Runs a client (`tcp` or `udp`) in `pod` against `to` (`ip:port`) and returns its summary.
+pub fn client(topology: &Topology, pod: &str, kind: &str, to: &str, count: u32) -> anyhow::Result<Summary> {
+    let output = topology
+        .command_in(pod, &crate::bin("epx-probe"))?
+        .args([kind, "--to", to, "--count", &count.to_string()])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running epx-probe")?;
+    if !output.status.success() {
+        bail!("epx-probe {kind} exited with {}", output.status);
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    serde_json::from_str(text.trim()).with_context(|| format!("parsing probe output {text:?}"))
+}
+
+pub fn tcp(topology: &Topology, pod: &str, to: &str, count: u32) -> anyhow::Result<Summary> {
+    client(topology, pod, "tcp", to, count)
+}
+
+pub fn udp(topology: &Topology, pod: &str, to: &str, count: u32) -> anyhow::Result<Summary> {
+    client(topology, pod, "udp", to, count)
+}
