@@ -1,1 +1,115 @@
-fn main(){}
+//! Build, test and demo orchestration: `cargo xtask setup|build|test|demo`.
+//!
+//! The kernel crate is built here and only here (Debian's rustc-web with build-std=core for
+//! bpfel-unknown-none); the userspace binary embeds the object it produced.
+
+mod demo;
+mod setup;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "ebpf-proxy build, test and demo tasks (run as root on Debian)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what building and testing need (Debian packages, bpf-linker); idempotent.
+    Setup,
+    /// Build the eBPF object and `target/release/ebpf-proxy` with the object embedded.
+    Build,
+    /// Run every test: unit tests, then end-to-end tests in network namespaces.
+    Test {
+        /// Extra arguments for the test binaries (e.g. a test name filter).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Pods as network namespaces, the agent on a Service manifest, traffic shown flowing.
+    Demo,
+}
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask sits in the workspace").to_owned()
+}
+
+/// Runs a command, streaming its output, and fails if it fails.
+pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    let status = cmd.status().with_context(|| format!("spawning {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed with {status}");
+    }
+    Ok(())
+}
+
+pub fn step(message: &str) {
+    eprintln!("\x1b[1m==> {message}\x1b[0m");
+}
+
+/// The eBPF object as `cargo xtask build` leaves it.
+pub fn ebpf_object() -> PathBuf {
+    workspace_root().join("target/bpf/bpfel-unknown-none/release/proxy-ebpf")
+}
+
+fn build() -> anyhow::Result<()> {
+    setup::ensure()?;
+    let root = workspace_root();
+    step("building the eBPF programs (Debian rustc-web, build-std=core, bpfel-unknown-none)");
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    let path = format!("{home}/.cargo/bin:{}", std::env::var("PATH").unwrap_or_default());
+    let mut cargo = Command::new(setup::DEBIAN_CARGO);
+    // The outer (rustup) cargo's variables must not leak into Debian's cargo.
+    for (key, _) in std::env::vars() {
+        if key.starts_with("CARGO") || key.starts_with("RUSTUP") || key == "RUSTC_WRAPPER" || key == "RUSTFLAGS" {
+            cargo.env_remove(key);
+        }
+    }
+    run(cargo
+        .current_dir(&root)
+        .env("PATH", path)
+        .env("RUSTC", setup::DEBIAN_RUSTC)
+        .env("RUSTC_BOOTSTRAP", "1")
+        .env("CARGO_TARGET_DIR", root.join("target/bpf"))
+        .env("RUSTFLAGS", "--cfg bpf_target_arch=\"x86_64\" -C debuginfo=2 -C link-arg=--btf")
+        .args(["build", "--package", "proxy-ebpf", "--release", "-Z", "build-std=core", "--target", "bpfel-unknown-none"]))?;
+
+    step("building ebpf-proxy and the test tools (release)");
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .current_dir(&root)
+        .env("EPX_EBPF_OBJECT", ebpf_object())
+        .args(["build", "--release", "--package", "proxy-user", "--package", "e2e"]))?;
+    eprintln!("built {}", root.join("target/release/ebpf-proxy").display());
+    Ok(())
+}
+
+fn test(args: &[String]) -> anyhow::Result<()> {
+    build()?;
+    setup::sweep_leftovers();
+    step("running all tests (unit tests, then end-to-end tests in network namespaces)");
+    // One test at a time: the end-to-end tests measure timing (e.g. "within 1 s") on 2 cores.
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .current_dir(workspace_root())
+        .env("EPX_EBPF_OBJECT", ebpf_object())
+        .args(["test", "--release", "--package", "proxy-user", "--package", "e2e", "--"])
+        .arg("--test-threads=1")
+        .args(args))
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Task::Setup => setup::ensure(),
+        Task::Build => build(),
+        Task::Test { args } => test(&args),
+        Task::Demo => {
+            build()?;
+            setup::sweep_leftovers();
+            demo::run()
+        }
+    }
+}

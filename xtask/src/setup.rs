@@ -1,0 +1,132 @@
+//! `cargo xtask setup`: checks the machine and installs what is missing, idempotently.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{bail, Context};
+
+use crate::{run, step};
+
+pub const DEBIAN_CARGO: &str = "/usr/bin/cargo";
+pub const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
+
+/// Debian packages: the eBPF toolchain (rustc-web with its std sources, LLVM 22 for
+/// bpf-linker) and the tools the tests drive (iproute2 for namespaces, util-linux for nsenter).
+const PACKAGES: &[&str] = &[
+    "rustc-web",
+    "cargo-web",
+    "rust-web-src",
+    "llvm-22-dev",
+    "libpolly-22-dev",
+    "libzstd-dev",
+    "zlib1g-dev",
+    "iproute2",
+    "util-linux",
+];
+
+const BPF_LINKER_VERSION: &str = "0.13";
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn installed(package: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", package])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        .unwrap_or(false)
+}
+
+fn bpf_linker_ok() -> bool {
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    Command::new(Path::new(&home).join(".cargo/bin/bpf-linker"))
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains(&format!("bpf-linker {BPF_LINKER_VERSION}")))
+        .unwrap_or(false)
+}
+
+fn mounted(fs_type: &str) -> bool {
+    std::fs::read_to_string("/proc/mounts")
+        .unwrap_or_default()
+        .lines()
+        .any(|line| line.split_whitespace().nth(2) == Some(fs_type))
+}
+
+/// Makes the machine ready, installing only what is missing.
+pub fn ensure() -> anyhow::Result<()> {
+    if !is_root() {
+        bail!("run as root: installing packages, loading eBPF programs and creating namespaces need it");
+    }
+    if !mounted("cgroup2") {
+        bail!("no cgroup v2 filesystem is mounted (/proc/mounts has no cgroup2 line); the socket-level datapath needs one");
+    }
+    if !mounted("bpf") {
+        step("mounting bpffs at /sys/fs/bpf");
+        run(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]))
+            .context("bpffs is not mounted and could not be mounted at /sys/fs/bpf")?;
+    }
+
+    let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        eprintln!("setup: Debian packages present ({})", PACKAGES.join(", "));
+    } else {
+        step(&format!("installing Debian packages: {}", missing.join(" ")));
+        run(Command::new("apt-get").arg("update").arg("-q"))?;
+        run(Command::new("apt-get")
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args(&missing))?;
+    }
+    for tool in [DEBIAN_CARGO, DEBIAN_RUSTC] {
+        if !Path::new(tool).exists() {
+            bail!("{tool} is missing although cargo-web/rustc-web are installed");
+        }
+    }
+
+    if bpf_linker_ok() {
+        eprintln!("setup: bpf-linker {BPF_LINKER_VERSION} present");
+    } else {
+        step(&format!("installing bpf-linker {BPF_LINKER_VERSION} (built against LLVM 22; takes a few minutes)"));
+        run(Command::new("cargo")
+            .env("LLVM_PREFIX", "/usr/lib/llvm-22")
+            .args(["install", "bpf-linker", "--version", &format!("^{BPF_LINKER_VERSION}")])
+            .args(["--no-default-features", "--features", "llvm-22"]))?;
+    }
+    Ok(())
+}
+
+/// Removes namespaces, cgroups and bpffs directories left by an earlier test run that was killed
+/// before its guards ran. Only names with the tests' prefix are touched.
+pub fn sweep_leftovers() {
+    let prefix = format!("{}-", e2e::PREFIX);
+    if let Ok(entries) = std::fs::read_dir("/run/netns") {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(&prefix) {
+                let _ = Command::new("ip").args(["netns", "delete", &name]).status();
+            }
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir("/sys/fs/bpf") {
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = Command::new(crate::workspace_root().join("target/release/ebpf-proxy"))
+                    .args(["cleanup", "--bpffs"])
+                    .arg(entry.path())
+                    .output();
+            }
+        }
+    }
+    if let Ok(root) = e2e::topology::cgroup2_root() {
+        if let Ok(entries) = std::fs::read_dir(&root) {
+            for entry in entries.flatten() {
+                if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                    drop(e2e::topology::Cgroup { path: entry.path() });
+                }
+            }
+        }
+    }
+}
