@@ -7,7 +7,8 @@ mod demo;
 mod setup;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
@@ -93,12 +94,41 @@ fn test(args: &[String]) -> anyhow::Result<()> {
     setup::sweep_leftovers();
     step("running all tests (unit tests, then end-to-end tests in network namespaces)");
     // One test at a time: the end-to-end tests measure timing (e.g. "within 1 s") on 2 cores.
-    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+    let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .current_dir(workspace_root())
         .env("EPX_EBPF_OBJECT", ebpf_object())
-        .args(["test", "--release", "--package", "proxy-user", "--package", "e2e", "--"])
+        .args(["test", "--release", "--package", "proxy-user", "--package", "e2e", "--lib", "--bins", "--tests", "--"])
         .arg("--test-threads=1")
-        .args(args))
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("spawning cargo test")?;
+    // Echo the output and add up every binary's "test result:" line into one closing line.
+    let (mut passed, mut failed) = (0u64, 0u64);
+    for line in BufReader::new(child.stdout.take().context("stdout")?).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(result) = line.strip_prefix("test result: ") {
+            let count = |word: &str| -> u64 {
+                result
+                    .split(';')
+                    .find_map(|part| part.trim().trim_start_matches("ok. ").trim_start_matches("FAILED. ").strip_suffix(word))
+                    .and_then(|n| n.trim().parse().ok())
+                    .unwrap_or(0)
+            };
+            passed += count(" passed");
+            failed += count(" failed");
+        }
+    }
+    let status = child.wait()?;
+    println!("\ntests: {passed} passed, {failed} failed");
+    if !status.success() {
+        bail!("cargo test failed with {status}");
+    }
+    if passed == 0 {
+        bail!("no test ran");
+    }
+    Ok(())
 }
 
 fn main() -> anyhow::Result<()> {
