@@ -58,6 +58,7 @@ pub async fn run(args: AgentArgs, manifest_path: PathBuf) -> anyhow::Result<()> 
         rev_nat: args.map_size_rev_nat,
         rev_sock: args.map_size_rev_sock,
     };
+    let _lock = take_writer_lock(&args.state_dir).await?;
     let datapath = kernel::load(&args.bpffs, &cgroup, &caps).context("setting up the datapath")?;
     let mut reconciler = Reconciler::adopt(datapath.maps).context("reading the pinned maps")?;
     tracing::info!(
@@ -160,6 +161,35 @@ pub async fn run(args: AgentArgs, manifest_path: PathBuf) -> anyhow::Result<()> 
     }
     tracing::info!("stopping; the datapath stays attached and keeps serving the last state (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// One writer per node: the agent holds an exclusive lock on `<state-dir>/agent.lock` for its
+/// lifetime. A second agent (e.g. a rolling update that overlaps) waits here, before touching
+/// the datapath, until the first one exits; the kernel releases the lock even on SIGKILL.
+async fn take_writer_lock(state_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    std::fs::create_dir_all(state_dir).with_context(|| format!("creating --state-dir {}", state_dir.display()))?;
+    let path = state_dir.join("agent.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: flock(2) on a file descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(file);
+    }
+    tracing::warn!(lock = %path.display(), "another agent is writing this node's datapath; waiting for it to exit");
+    tokio::task::spawn_blocking(move || {
+        // SAFETY: as above; blocks until the other holder's descriptor is closed.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error()).context("waiting for the agent lock");
+        }
+        tracing::info!("took over the agent lock");
+        Ok(file)
+    })
+    .await?
 }
 
 fn healthz(status: &Mutex<Status>, path: &str) -> Response {

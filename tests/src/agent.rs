@@ -70,6 +70,7 @@ pub struct Agent {
     pub healthz_port: u16,
     pub metrics_port: u16,
     pub log: PathBuf,
+    pub state_dir: PathBuf,
     starts: u32,
 }
 
@@ -85,14 +86,39 @@ impl Agent {
             healthz_port,
             metrics_port,
             log: dir.dir.join("agent.log"),
+            state_dir: dir.dir.join("state"),
             starts: 0,
         };
         agent.restart()?;
         Ok(agent)
     }
 
+    /// A second agent for the same node (same bpffs, cgroup, manifest and state dir), other
+    /// ports and log. Spawned but not waited for.
+    pub fn spawn_second(&self) -> anyhow::Result<Self> {
+        let (healthz_port, metrics_port) = free_ports();
+        let mut second = Self {
+            child: None,
+            bpffs: self.bpffs.clone(),
+            cgroup: self.cgroup.clone(),
+            manifest: self.manifest.clone(),
+            healthz_port,
+            metrics_port,
+            log: self.log.with_extension("second.log"),
+            state_dir: self.state_dir.clone(),
+            starts: 0,
+        };
+        second.spawn()?;
+        Ok(second)
+    }
+
     /// Starts the agent process again (after `stop` or `kill`) and waits until it has synced.
     pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.spawn()?;
+        self.wait_healthy(Duration::from_secs(10))
+    }
+
+    fn spawn(&mut self) -> anyhow::Result<()> {
         self.starts += 1;
         let log = fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let child = Command::new(crate::bin("ebpf-proxy"))
@@ -105,13 +131,19 @@ impl Agent {
             .arg(format!("--healthz-bind=127.0.0.1:{}", self.healthz_port))
             .arg(format!("--metrics-bind=127.0.0.1:{}", self.metrics_port))
             .arg("--node-name=node-1")
+            .arg("--state-dir")
+            .arg(&self.state_dir)
             .env("RUST_LOG", "info")
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()
             .context("spawning ebpf-proxy")?;
         self.child = Some(child);
-        self.wait_healthy(Duration::from_secs(10))
+        Ok(())
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        matches!(http_get(self.healthz_port, "/healthz"), Ok((200, _)))
     }
 
     /// Waits until /healthz answers 200 (the agent has programmed the datapath at least once).

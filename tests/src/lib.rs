@@ -5,12 +5,14 @@
 //! - [`probe`]: the `epx-probe` traffic generator (servers that answer with their name, clients
 //!   that count answers and failed connections), run inside pods.
 //! - [`agent`]: runs `ebpf-proxy` against a manifest file with its own bpffs and cgroup.
+//! - [`scenario`]: a client, two backends behind a Service, and the agent, ready to use.
 //!
 //! Everything is created with unique names and removed on drop, also when a test fails. Traffic
 //! never leaves the namespaces created here.
 
 pub mod agent;
 pub mod probe;
+pub mod scenario;
 pub mod topology;
 
 use std::path::PathBuf;

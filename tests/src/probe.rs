@@ -31,6 +31,67 @@ impl Summary {
     }
 }
 
+/// What `epx-probe steady` saw: short TCP connections, UDP requests, and long-lived streams
+/// (a stream counts as failed if it broke at any point).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Steady {
+    pub tcp: Summary,
+    pub udp: Summary,
+    pub streams: Summary,
+}
+
+impl Steady {
+    pub fn failed(&self) -> u32 {
+        self.tcp.failed + self.udp.failed + self.streams.failed
+    }
+}
+
+/// Steady traffic running in the background; `finish` waits for it and returns what it saw.
+pub struct SteadyTraffic {
+    child: Option<Child>,
+}
+
+impl SteadyTraffic {
+    /// Starts `epx-probe steady` in `pod` against `tcp` and `udp` (`ip:port`) for `duration`.
+    pub fn start(
+        topology: &Topology,
+        pod: &str,
+        tcp: &str,
+        udp: &str,
+        rate: u32,
+        streams: u32,
+        duration: std::time::Duration,
+    ) -> anyhow::Result<Self> {
+        let child = topology
+            .command_in(pod, &crate::bin("epx-probe"))?
+            .args(["steady", "--tcp", tcp, "--udp", udp])
+            .args(["--rate", &rate.to_string(), "--streams", &streams.to_string()])
+            .args(["--duration-ms", &duration.as_millis().to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("spawning epx-probe steady")?;
+        Ok(Self { child: Some(child) })
+    }
+
+    pub fn finish(mut self) -> anyhow::Result<Steady> {
+        let output = self.child.take().expect("running").wait_with_output()?;
+        if !output.status.success() {
+            bail!("epx-probe steady exited with {}", output.status);
+        }
+        let text = String::from_utf8_lossy(&output.stdout);
+        serde_json::from_str(text.trim()).with_context(|| format!("parsing steady output {text:?}"))
+    }
+}
+
+impl Drop for SteadyTraffic {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// A server process; killed on drop.
 pub struct Server {
     child: Child,

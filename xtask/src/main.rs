@@ -4,6 +4,7 @@
 //! bpfel-unknown-none); the userspace binary embeds the object it produced.
 
 mod demo;
+mod peers;
 mod setup;
 
 use std::path::{Path, PathBuf};
@@ -34,6 +35,8 @@ enum Task {
     },
     /// Pods as network namespaces, the agent on a Service manifest, traffic shown flowing.
     Demo,
+    /// Build kube-apiserver, kube-proxy and etcd from their Go modules into the cache.
+    Peers,
 }
 
 pub fn workspace_root() -> PathBuf {
@@ -141,5 +144,6 @@ fn main() -> anyhow::Result<()> {
             setup::sweep_leftovers();
             demo::run()
         }
+        Task::Peers => peers::run().map(|dir| println!("{}", dir.display())),
     }
 }

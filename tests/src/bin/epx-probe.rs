@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use e2e::probe::Summary;
+use e2e::probe::{Steady, Summary};
 
 #[derive(Parser)]
 struct Cli {
@@ -46,6 +46,21 @@ enum Cmd {
         count: u32,
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
+    },
+    /// Steady traffic for a while: short TCP connections and UDP requests at a fixed rate, plus
+    /// long-lived TCP streams that exchange a message every 100 ms. Counts every failure.
+    Steady {
+        #[arg(long)]
+        tcp: SocketAddr,
+        #[arg(long)]
+        udp: SocketAddr,
+        /// Short connections (and UDP requests) per second.
+        #[arg(long, default_value_t = 50)]
+        rate: u32,
+        #[arg(long, default_value_t = 2)]
+        streams: u32,
+        #[arg(long)]
+        duration_ms: u64,
     },
 }
 
@@ -154,9 +169,67 @@ fn run_requests(count: u32, mut once: impl FnMut() -> std::io::Result<String>) -
     summary
 }
 
+/// Requests at `rate` per second until `until`, each judged by `once`.
+fn paced(rate: u32, until: Instant, mut once: impl FnMut() -> std::io::Result<String>) -> Summary {
+    let period = Duration::from_secs_f64(1.0 / f64::from(rate.max(1)));
+    let mut next = Instant::now();
+    let mut results = Vec::new();
+    while Instant::now() < until {
+        results.push(once());
+        next += period;
+        if let Some(wait) = next.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+    }
+    let mut iter = results.into_iter();
+    run_requests(iter.len() as u32, || iter.next().expect("one result per request"))
+}
+
+/// One long-lived connection: a message every 100 ms must come back. Ok(backend) if it lived
+/// until `until`.
+fn stream(to: SocketAddr, until: Instant) -> std::io::Result<String> {
+    let stream = TcpStream::connect_timeout(&to, Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(1)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut name = String::new();
+    reader.read_line(&mut name)?;
+    let mut writer = stream;
+    let mut n = 0u64;
+    while Instant::now() < until {
+        n += 1;
+        writer.write_all(format!("{n}\n").as_bytes())?;
+        let mut echo = String::new();
+        reader.read_line(&mut echo)?;
+        if echo.trim() != n.to_string() {
+            return Err(std::io::Error::other(format!("stream answered {echo:?} to {n}")));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(name.trim().to_owned())
+}
+
+fn steady(tcp: SocketAddr, udp: SocketAddr, rate: u32, streams: u32, duration: Duration) -> Steady {
+    let until = Instant::now() + duration;
+    let stream_threads: Vec<_> = (0..streams).map(|_| std::thread::spawn(move || stream(tcp, until))).collect();
+    let udp_thread = std::thread::spawn(move || paced(rate, until, || udp_once(udp, Duration::from_secs(1))));
+    let tcp_summary = paced(rate, until, || tcp_once(tcp, Duration::from_secs(1)));
+    let mut results = stream_threads.into_iter().map(|t| t.join().expect("stream thread"));
+    Steady {
+        tcp: tcp_summary,
+        udp: udp_thread.join().expect("udp thread"),
+        streams: run_requests(streams, || results.next().expect("one result per stream")),
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
+    if let Cmd::Steady { tcp, udp, rate, streams, duration_ms } = cli.command {
+        let result = steady(tcp, udp, rate, streams, Duration::from_millis(duration_ms));
+        println!("{}", serde_json::to_string(&result).expect("serialisable"));
+        return;
+    }
     let summary = match cli.command {
+        Cmd::Steady { .. } => unreachable!("handled above"),
         Cmd::Serve { name, tcp, udp } => serve(name, tcp, udp),
         Cmd::Tcp { to, count, timeout_ms } => {
             run_requests(count, || tcp_once(to, Duration::from_millis(timeout_ms)))

@@ -1,0 +1,64 @@
+//! The agent is not on the packet path: killing, restarting and doubling it must not cost a
+//! single connection. Steady traffic runs throughout and every failure is counted.
+
+use std::time::Duration;
+
+use e2e::probe::SteadyTraffic;
+use e2e::scenario::{Env, VIP};
+
+/// "synced ... writes=N" lines of the agent log, in order.
+fn sync_writes(log: &str) -> Vec<u64> {
+    log.lines()
+        .filter(|l| l.contains(" synced "))
+        .filter_map(|l| l.split("writes=").nth(1)?.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+#[test]
+fn sigkill_and_restart_ten_times_fails_no_connection_and_rewrites_nothing() {
+    let mut env = Env::new();
+    let traffic = SteadyTraffic::start(
+        &env.topo,
+        "client",
+        &format!("{VIP}:80"),
+        &format!("{VIP}:53"),
+        50,
+        2,
+        Duration::from_secs(8),
+    )
+    .expect("steady traffic");
+    std::thread::sleep(Duration::from_millis(500));
+    for _ in 0..10 {
+        env.agent.kill().expect("SIGKILL");
+        std::thread::sleep(Duration::from_millis(100));
+        // Restart: re-open pins, swap programs in the pinned links, re-learn, sync.
+        env.agent.restart().expect("restart");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let seen = traffic.finish().expect("traffic result");
+    eprintln!("{seen:?}");
+    assert_eq!(seen.failed(), 0, "failed connections during 10 SIGKILL/restart cycles: {seen:?}");
+    assert!(seen.tcp.ok >= 300 && seen.udp.ok >= 300, "traffic did not really run: {seen:?}");
+    assert_eq!(seen.streams.ok, 2, "long-lived streams must survive: {seen:?}");
+
+    // The first start programs everything; each restart finds the maps right and writes nothing.
+    let writes = sync_writes(&env.agent.log_text());
+    assert_eq!(writes.len(), 11, "{writes:?}");
+    assert!(writes[0] > 0 && writes[1..].iter().all(|w| *w == 0), "{writes:?}");
+}
+
+#[test]
+fn a_second_agent_waits_for_the_first_and_takes_over_when_it_dies() {
+    let mut env = Env::new();
+    let mut second = env.agent.spawn_second().expect("second agent");
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!second.is_healthy(), "the second agent must not run while the first holds the lock");
+    assert!(second.log_text().contains("another agent is writing"), "{}", second.log_text());
+
+    env.agent.kill().expect("kill first");
+    second.wait_healthy(Duration::from_secs(10)).expect("second agent takes over");
+    // It changed nothing: the first agent's state was already right.
+    assert_eq!(sync_writes(&second.log_text()), [0]);
+    let summary = env.tcp(&format!("{VIP}:80"), 50);
+    assert_eq!(summary.failed, 0, "{summary:?}");
+}

@@ -1,0 +1,302 @@
+//! `cargo xtask peers`: the real upstream kube-apiserver, kube-proxy and etcd, built from their Go
+//! modules into a per-version cache outside the repository, for tests and benchmarks.
+//!
+//! `go install k8s.io/kubernetes/cmd/kube-apiserver@v1.34.4` does not work: k8s.io/kubernetes'
+//! go.mod replaces every `k8s.io/*` staging module with `./staging/src/k8s.io/...`, and `go install
+//! pkg@version` refuses a module with replace directives. So a small wrapper module requires
+//! k8s.io/kubernetes and replaces each staging module with its published release (`k8s.io/api
+//! v0.34.4` for Kubernetes v1.34.4); the list is read from the real go.mod, so it follows the version.
+//! etcd's server module has replaces too, but a wrapper that merely requires it builds with none.
+
+use std::ffi::OsStr;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+
+use crate::step;
+
+/// Newest 1.34 patch release on the module proxy.
+const KUBERNETES_VERSION: &str = "v1.34.4";
+/// Newest 3.6 patch release on the module proxy.
+const ETCD_VERSION: &str = "v3.6.16";
+
+const KUBERNETES_CMDS: &[&str] = &["k8s.io/kubernetes/cmd/kube-apiserver", "k8s.io/kubernetes/cmd/kube-proxy"];
+const ETCD_MAIN: &str = "go.etcd.io/etcd/server/v3";
+/// Build tags of the upstream release build (hack/lib/golang.sh).
+const KUBERNETES_TAGS: &str = "selinux,notest,grpcnotrace";
+
+const BINARIES: &[&str] = &["kube-apiserver", "kube-proxy", "etcd"];
+/// Where a build puts its binaries before they are renamed into the cache.
+const PARTIAL: &str = ".partial";
+
+/// Makes sure the peers exist and returns the directory holding `kube-apiserver`, `kube-proxy`
+/// and `etcd`: `$KUBEBUILDER_ASSETS` if it has all three, else the cache, built if needed.
+pub fn run() -> anyhow::Result<PathBuf> {
+    if let Some(assets) = std::env::var_os("KUBEBUILDER_ASSETS").filter(|dir| !dir.is_empty()) {
+        let assets = PathBuf::from(assets);
+        if all_work(&assets) {
+            step(&format!("using the peers in KUBEBUILDER_ASSETS={}", assets.display()));
+            return Ok(assets);
+        }
+        step(&format!(
+            "KUBEBUILDER_ASSETS={} lacks a working {}; using the cache",
+            assets.display(),
+            BINARIES.join(", ")
+        ));
+    }
+
+    let dir = cache_dir()?;
+    if all_work(&dir) {
+        step(&format!("peers cached in {}", dir.display()));
+        return Ok(dir);
+    }
+
+    let go = find_go()?;
+    let started = Instant::now();
+    step(&format!(
+        "building Kubernetes {KUBERNETES_VERSION} and etcd {ETCD_VERSION} into {} (a cold build takes 15-30 min)",
+        dir.display()
+    ));
+    let partial = dir.join(PARTIAL);
+    if partial.exists() {
+        fs::remove_dir_all(&partial).with_context(|| format!("removing {}", partial.display()))?;
+    }
+    fs::create_dir_all(&partial).with_context(|| format!("creating {}", partial.display()))?;
+
+    build_kubernetes(&go, &dir.join("src/kubernetes"), &partial)?;
+    build_etcd(&go, &dir.join("src/etcd"), &partial)?;
+
+    for bin in BINARIES {
+        let built = partial.join(bin);
+        version(&built).with_context(|| format!("the freshly built {bin} does not run"))?;
+        let target = dir.join(bin);
+        fs::rename(&built, &target).with_context(|| format!("moving {} to {}", built.display(), target.display()))?;
+    }
+    fs::remove_dir(&partial).with_context(|| format!("removing {}", partial.display()))?;
+
+    for bin in BINARIES {
+        eprintln!("{bin}: {}", version(&dir.join(bin))?);
+    }
+    let elapsed = started.elapsed().as_secs();
+    step(&format!("peers built in {}m{:02}s: {}", elapsed / 60, elapsed % 60, dir.display()));
+    Ok(dir)
+}
+
+/// `$EPX_PEERS_CACHE`, else `$HOME/.cache/ebpf-proxy/peers/k8s-<version>-etcd-<version>`.
+fn cache_dir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("EPX_PEERS_CACHE").filter(|dir| !dir.is_empty()) {
+        return Ok(PathBuf::from(dir));
+    }
+    let home = std::env::var_os("HOME").filter(|home| !home.is_empty()).context("neither EPX_PEERS_CACHE nor HOME is set")?;
+    Ok(Path::new(&home)
+        .join(".cache/ebpf-proxy/peers")
+        .join(format!("k8s-{KUBERNETES_VERSION}-etcd-{ETCD_VERSION}")))
+}
+
+/// The first line `<bin> --version` prints, if it runs and succeeds.
+fn version(bin: &Path) -> anyhow::Result<String> {
+    let out = Command::new(bin).arg("--version").output().with_context(|| format!("running {} --version", bin.display()))?;
+    if !out.status.success() {
+        bail!("{} --version failed with {}", bin.display(), out.status);
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or_default().trim().to_owned())
+}
+
+fn all_work(dir: &Path) -> bool {
+    BINARIES.iter().all(|bin| version(&dir.join(bin)).is_ok())
+}
+
+/// `go` on PATH, else the official tarball's /usr/local/go/bin/go.
+fn find_go() -> anyhow::Result<PathBuf> {
+    let on_path = std::env::var_os("PATH")
+        .map(|path| std::env::split_paths(&path).map(|dir| dir.join("go")).collect::<Vec<_>>())
+        .unwrap_or_default();
+    on_path
+        .into_iter()
+        .chain([PathBuf::from("/usr/local/go/bin/go")])
+        .find(|go| go.is_file())
+        .context("Go not found (neither `go` on PATH nor /usr/local/go/bin/go): install Go >= 1.24 from https://go.dev/dl")
+}
+
+/// A `go` command run in `dir`, cgo off (static binaries, no C toolchain needed).
+fn go(go: &Path, dir: &Path) -> Command {
+    let mut cmd = Command::new(go);
+    cmd.current_dir(dir).env("CGO_ENABLED", "0");
+    cmd
+}
+
+/// An empty directory holding a fresh `go.mod` for `module`.
+fn wrapper_module(go_bin: &Path, dir: &Path, module: &str) -> anyhow::Result<()> {
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    for generated in ["go.mod", "go.sum"] {
+        let path = dir.join(generated);
+        if path.exists() {
+            fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    crate::run(go(go_bin, dir).args(["mod", "init", module]))
+}
+
+fn build_kubernetes(go_bin: &Path, src: &Path, out: &Path) -> anyhow::Result<()> {
+    let staging = staging_version(KUBERNETES_VERSION)?;
+    let (major, minor) = major_minor(KUBERNETES_VERSION)?;
+    wrapper_module(go_bin, src, "ebpf-proxy/peers/kubernetes")?;
+
+    step(&format!("reading k8s.io/kubernetes@{KUBERNETES_VERSION}'s go.mod for its staging replaces"));
+    let upstream = upstream_go_mod(go_bin, src, "k8s.io/kubernetes", KUBERNETES_VERSION)?;
+    let (replaced, godebug) = parse_go_mod(&upstream);
+    if replaced.is_empty() {
+        bail!("k8s.io/kubernetes@{KUBERNETES_VERSION}'s go.mod has no `=> ./staging/...` replaces; has the layout changed?");
+    }
+    eprintln!("{} staging modules -> {staging}; godebug: {}", replaced.len(), godebug.join(" "));
+
+    let mut edit = go(go_bin, src);
+    edit.args(["mod", "edit", &format!("-require=k8s.io/kubernetes@{KUBERNETES_VERSION}")]);
+    edit.args(godebug.iter().map(|setting| format!("-godebug={setting}")));
+    edit.args(replaced.iter().map(|module| format!("-replace={module}={module}@{staging}")));
+    edit.args(KUBERNETES_CMDS.iter().map(|cmd| format!("-tool={cmd}")));
+    crate::run(&mut edit)?;
+
+    step("resolving the Kubernetes wrapper module (go mod tidy)");
+    crate::run(go(go_bin, src).args(["mod", "tidy"]))?;
+
+    step(&format!("compiling {} (the long part)", KUBERNETES_CMDS.join(" ")));
+    let ldflags = format!(
+        "-X k8s.io/component-base/version.gitVersion={KUBERNETES_VERSION} \
+         -X k8s.io/component-base/version.gitMajor={major} \
+         -X k8s.io/component-base/version.gitMinor={minor}"
+    );
+    crate::run(go(go_bin, src)
+        .args(["build", "-trimpath", "-tags", KUBERNETES_TAGS, "-ldflags", &ldflags, "-o"])
+        .arg(dir_arg(out))
+        .args(KUBERNETES_CMDS))
+}
+
+fn build_etcd(go_bin: &Path, src: &Path, out: &Path) -> anyhow::Result<()> {
+    wrapper_module(go_bin, src, "ebpf-proxy/peers/etcd")?;
+    crate::run(go(go_bin, src).args([
+        "mod".to_owned(),
+        "edit".to_owned(),
+        format!("-require={ETCD_MAIN}@{ETCD_VERSION}"),
+        format!("-tool={ETCD_MAIN}"),
+    ]))?;
+    step("resolving the etcd wrapper module (go mod tidy)");
+    crate::run(go(go_bin, src).args(["mod", "tidy"]))?;
+    step(&format!("compiling etcd {ETCD_VERSION}"));
+    crate::run(go(go_bin, src).args(["build", "-trimpath", "-o"]).arg(out.join("etcd")).arg(ETCD_MAIN))
+}
+
+/// `go build -o DIR/` writes one binary per package into DIR only with the trailing slash.
+fn dir_arg(dir: &Path) -> std::ffi::OsString {
+    let mut arg = dir.as_os_str().to_owned();
+    arg.push(OsStr::new("/"));
+    arg
+}
+
+/// The text of `module@version`'s go.mod, fetched through the module proxy.
+fn upstream_go_mod(go_bin: &Path, dir: &Path, module: &str, version: &str) -> anyhow::Result<String> {
+    let out = go(go_bin, dir)
+        .args(["mod", "download", "-json", &format!("{module}@{version}")])
+        .output()
+        .context("running go mod download")?;
+    if !out.status.success() {
+        bail!(
+            "go mod download {module}@{version} failed with {}: {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let json = String::from_utf8_lossy(&out.stdout);
+    let path = json_string_field(&json, "GoMod").with_context(|| format!("no GoMod path in go mod download's output: {json}"))?;
+    fs::read_to_string(&path).with_context(|| format!("reading {path}"))
+}
+
+/// The value of `"field": "value"` in go's indented JSON output (a path: no escapes to undo but `\\`).
+fn json_string_field(json: &str, field: &str) -> Option<String> {
+    let key = format!("\"{field}\":");
+    let rest = json.lines().find_map(|line| line.trim().strip_prefix(key.as_str()))?;
+    let value = rest.trim().trim_end_matches(',').strip_prefix('"')?.strip_suffix('"')?;
+    Some(value.replace("\\\\", "\\"))
+}
+
+/// From a go.mod: the modules replaced by a `./staging/` directory, and the `godebug` settings.
+fn parse_go_mod(go_mod: &str) -> (Vec<String>, Vec<String>) {
+    let (mut staging, mut godebug) = (Vec::new(), Vec::new());
+    let mut block = "";
+    for line in go_mod.lines() {
+        let line = line.split("//").next().unwrap_or_default().trim();
+        if line == ")" {
+            block = "";
+            continue;
+        }
+        let (directive, body) = match line.split_once(char::is_whitespace) {
+            Some((word @ ("replace" | "godebug"), rest)) if block.is_empty() => (word, rest.trim()),
+            _ => (block, line),
+        };
+        if body == "(" {
+            block = directive;
+            continue;
+        }
+        match directive {
+            "replace" => {
+                if let Some((old, new)) = body.split_once("=>") {
+                    if new.trim().starts_with("./staging/") {
+                        if let Some(module) = old.split_whitespace().next() {
+                            staging.push(module.to_owned());
+                        }
+                    }
+                }
+            }
+            "godebug" if !body.is_empty() => godebug.push(body.split_whitespace().collect::<Vec<_>>().join("")),
+            _ => {}
+        }
+    }
+    (staging, godebug)
+}
+
+/// Staging modules are tagged `v0.X.Y` for Kubernetes `v1.X.Y`.
+fn staging_version(kubernetes: &str) -> anyhow::Result<String> {
+    kubernetes
+        .strip_prefix("v1.")
+        .map(|rest| format!("v0.{rest}"))
+        .with_context(|| format!("Kubernetes version {kubernetes} is not v1.X.Y"))
+}
+
+fn major_minor(version: &str) -> anyhow::Result<(&str, &str)> {
+    let mut parts = version.trim_start_matches('v').split('.');
+    match (parts.next(), parts.next()) {
+        (Some(major), Some(minor)) if !major.is_empty() && !minor.is_empty() => Ok((major, minor)),
+        _ => bail!("version {version} is not vX.Y.Z"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_staging_replaces_and_godebug() {
+        let go_mod = "module k8s.io/kubernetes\n\ngo 1.24.0\n\ngodebug default=go1.24\n\n\
+            require (\n\tk8s.io/api v0.0.0\n)\n\n\
+            replace (\n\tk8s.io/api => ./staging/src/k8s.io/api\n\
+            \tk8s.io/client-go => ./staging/src/k8s.io/client-go // comment\n\
+            \tgithub.com/x/y => github.com/x/y v1.0.0\n)\n\
+            replace k8s.io/kms => ./staging/src/k8s.io/kms\n\
+            godebug (\n\tasynctimerchan=1\n)\n";
+        let (staging, godebug) = parse_go_mod(go_mod);
+        assert_eq!(staging, ["k8s.io/api", "k8s.io/client-go", "k8s.io/kms"]);
+        assert_eq!(godebug, ["default=go1.24", "asynctimerchan=1"]);
+    }
+
+    #[test]
+    fn versions() {
+        assert_eq!(staging_version("v1.34.4").unwrap(), "v0.34.4");
+        assert!(staging_version("v2.0.0").is_err());
+        assert_eq!(major_minor("v1.34.4").unwrap(), ("1", "34"));
+        assert_eq!(json_string_field("{\n\t\"GoMod\": \"/a/b.mod\",\n}", "GoMod").as_deref(), Some("/a/b.mod"));
+    }
+}
