@@ -71,6 +71,8 @@ pub struct Agent {
     pub metrics_port: u16,
     pub log: PathBuf,
     pub state_dir: PathBuf,
+    /// Extra command-line arguments for the next (re)starts.
+    pub extra_args: Vec<String>,
     starts: u32,
 }
 
@@ -87,6 +89,7 @@ impl Agent {
             metrics_port,
             log: dir.dir.join("agent.log"),
             state_dir: dir.dir.join("state"),
+            extra_args: Vec::new(),
             starts: 0,
         };
         agent.restart()?;
@@ -106,6 +109,7 @@ impl Agent {
             metrics_port,
             log: self.log.with_extension("second.log"),
             state_dir: self.state_dir.clone(),
+            extra_args: self.extra_args.clone(),
             starts: 0,
         };
         second.spawn()?;
@@ -133,6 +137,7 @@ impl Agent {
             .arg("--node-name=node-1")
             .arg("--state-dir")
             .arg(&self.state_dir)
+            .args(&self.extra_args)
             .env("RUST_LOG", "info")
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -140,6 +145,22 @@ impl Agent {
             .context("spawning ebpf-proxy")?;
         self.child = Some(child);
         Ok(())
+    }
+
+    /// Spawns the agent and expects it to exit on its own (a refused start); returns its status.
+    pub fn start_expecting_exit(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        self.spawn()?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.as_mut().expect("spawned").try_wait()? {
+                self.child = None;
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                bail!("ebpf-proxy still running after {timeout:?}:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     pub fn is_healthy(&self) -> bool {

@@ -62,3 +62,23 @@ fn a_second_agent_waits_for_the_first_and_takes_over_when_it_dies() {
     let summary = env.tcp(&format!("{VIP}:80"), 50);
     assert_eq!(summary.failed, 0, "{summary:?}");
 }
+
+#[test]
+fn a_pinned_map_with_another_layout_is_refused_by_name_and_keeps_serving() {
+    let mut env = Env::new();
+    env.agent.kill().expect("kill");
+    // Same pins, but this start wants a service map of another capacity.
+    env.agent.extra_args = vec!["--map-size-services=1024".into()];
+    let status = env.agent.start_expecting_exit(Duration::from_secs(10)).expect("refused start");
+    assert!(!status.success());
+    let log = env.agent.log_text();
+    assert!(
+        log.contains("pinned map") && log.contains("epx_svc4_v1") && log.contains("1024 entries"),
+        "the refusal must name the map and both layouts:\n{log}"
+    );
+    // Nothing was reused wrongly or torn down: the old datapath still serves.
+    let summary = env.tcp(&format!("{VIP}:80"), 20);
+    assert_eq!(summary.failed, 0, "{summary:?}");
+    env.agent.extra_args.clear();
+    env.agent.restart().expect("a compatible start works again");
+}
