@@ -334,16 +334,19 @@ impl KernelMaps {
 
     /// Opens the pinned maps without loading anything (for `dump`, and the agent-less checks).
     pub fn open_pinned(bpffs: &Path) -> Result<Self, DatapathError> {
-        let open = |name: &'static str| -> Result<Map, DatapathError> {
-            let data = MapData::from_pin(bpffs.join(name)).map_err(|source| DatapathError::MapLayout { name, source })?;
-            Map::from_map_data(data).map_err(|source| DatapathError::MapLayout { name, source })
-        };
+        let open = |name| open_pinned_map(bpffs, name);
         Ok(Self {
             services: typed(open(map_name::SERVICES4)?, map_name::SERVICES4)?,
             backends: typed(open(map_name::BACKENDS4)?, map_name::BACKENDS4)?,
             rev_nats: typed(open(map_name::REV_NAT4)?, map_name::REV_NAT4)?,
         })
     }
+}
+
+/// Opens one pinned map by its ABI name.
+fn open_pinned_map(bpffs: &Path, name: &'static str) -> Result<Map, DatapathError> {
+    let data = MapData::from_pin(bpffs.join(name)).map_err(|source| DatapathError::MapLayout { name, source })?;
+    Map::from_map_data(data).map_err(|source| DatapathError::MapLayout { name, source })
 }
 
 fn dump_map<K: aya::Pod, V: aya::Pod>(
@@ -410,8 +413,7 @@ impl LbMaps for KernelMaps {
 /// Per-CPU counters summed over CPUs, by `proxy_abi::stat` index.
 pub fn read_counters(bpffs: &Path) -> Result<Vec<u64>, DatapathError> {
     let name = map_name::STATS;
-    let data = MapData::from_pin(bpffs.join(name)).map_err(|source| DatapathError::MapLayout { name, source })?;
-    let map = Map::from_map_data(data).map_err(|source| DatapathError::MapLayout { name, source })?;
+    let map = open_pinned_map(bpffs, name)?;
     let array = aya::maps::PerCpuArray::<MapData, u64>::try_from(map)
         .map_err(|source| DatapathError::MapLayout { name, source })?;
     (0..proxy_abi::stat::COUNT)
@@ -427,8 +429,7 @@ pub fn read_counters(bpffs: &Path) -> Result<Vec<u64>, DatapathError> {
 /// Number of live entries in the socket reverse-translation LRU.
 pub fn count_rev_sock_entries(bpffs: &Path) -> Result<usize, DatapathError> {
     let name = map_name::REV_SOCK4;
-    let data = MapData::from_pin(bpffs.join(name)).map_err(|source| DatapathError::MapLayout { name, source })?;
-    let map = Map::from_map_data(data).map_err(|source| DatapathError::MapLayout { name, source })?;
+    let map = open_pinned_map(bpffs, name)?;
     let lru = HashMap::<MapData, RevSockKey4, RevSock4>::try_from(map)
         .map_err(|source| DatapathError::MapLayout { name, source })?;
     Ok(lru.keys().filter(Result::is_ok).count())

@@ -30,23 +30,9 @@ enum Cmd {
         udp: Vec<u16>,
     },
     /// Make COUNT TCP connections to ADDR, one after another; read the server's name from each.
-    Tcp {
-        #[arg(long)]
-        to: SocketAddr,
-        #[arg(long, default_value_t = 1)]
-        count: u32,
-        #[arg(long, default_value_t = 1000)]
-        timeout_ms: u64,
-    },
+    Tcp(ClientArgs),
     /// Send COUNT UDP requests to ADDR, each from a new socket; read the name from each reply.
-    Udp {
-        #[arg(long)]
-        to: SocketAddr,
-        #[arg(long, default_value_t = 1)]
-        count: u32,
-        #[arg(long, default_value_t = 1000)]
-        timeout_ms: u64,
-    },
+    Udp(ClientArgs),
     /// Steady traffic for a while: short TCP connections and UDP requests at a fixed rate, plus
     /// long-lived TCP streams that exchange a message every 100 ms. Counts every failure.
     Steady {
@@ -62,6 +48,16 @@ enum Cmd {
         #[arg(long)]
         duration_ms: u64,
     },
+}
+
+#[derive(clap::Args)]
+struct ClientArgs {
+    #[arg(long)]
+    to: SocketAddr,
+    #[arg(long, default_value_t = 1)]
+    count: u32,
+    #[arg(long, default_value_t = 1000)]
+    timeout_ms: u64,
 }
 
 fn error_name(error: &std::io::Error) -> String {
@@ -231,12 +227,8 @@ fn main() {
     let summary = match cli.command {
         Cmd::Steady { .. } => unreachable!("handled above"),
         Cmd::Serve { name, tcp, udp } => serve(name, tcp, udp),
-        Cmd::Tcp { to, count, timeout_ms } => {
-            run_requests(count, || tcp_once(to, Duration::from_millis(timeout_ms)))
-        }
-        Cmd::Udp { to, count, timeout_ms } => {
-            run_requests(count, || udp_once(to, Duration::from_millis(timeout_ms)))
-        }
+        Cmd::Tcp(a) => run_requests(a.count, || tcp_once(a.to, Duration::from_millis(a.timeout_ms))),
+        Cmd::Udp(a) => run_requests(a.count, || udp_once(a.to, Duration::from_millis(a.timeout_ms))),
     };
     println!("{}", serde_json::to_string(&summary).expect("summary is serialisable"));
 }
