@@ -41,10 +41,11 @@ pub fn run() -> anyhow::Result<PathBuf> {
             step(&format!("using the peers in KUBEBUILDER_ASSETS={}", assets.display()));
             return Ok(assets);
         }
+        let missing: Vec<&str> = BINARIES.iter().copied().filter(|bin| version(&assets.join(bin)).is_err()).collect();
         step(&format!(
             "KUBEBUILDER_ASSETS={} lacks a working {}; using the cache",
             assets.display(),
-            BINARIES.join(", ")
+            missing.join(", ")
         ));
     }
 
