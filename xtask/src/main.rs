@@ -100,7 +100,7 @@ fn test(args: &[String]) -> anyhow::Result<()> {
     let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .current_dir(workspace_root())
         .env("EPX_EBPF_OBJECT", ebpf_object())
-        .args(["test", "--release", "--package", "proxy-user", "--package", "e2e", "--lib", "--bins", "--tests", "--"])
+        .args(["test", "--release", "--package", "proxy-user", "--package", "e2e", "--package", "xtask", "--lib", "--bins", "--tests", "--"])
         .arg("--test-threads=1")
         .args(args)
         .stdout(Stdio::piped())
