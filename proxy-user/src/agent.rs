@@ -5,7 +5,6 @@
 use std::collections::BTreeSet;
 use std::error::Error;
 use std::fmt::Write as _;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -17,7 +16,7 @@ use crate::http::{self, Response};
 use crate::kernel::{self, MapCapacities};
 use crate::reconcile::Reconciler;
 use crate::source;
-use crate::AgentArgs;
+use crate::{AgentArgs, SourceKind};
 
 /// What health and metrics report. Updated by the loop, read by the HTTP handlers.
 #[derive(Default)]
@@ -47,7 +46,7 @@ pub fn error_chain(error: &dyn Error) -> String {
     text
 }
 
-pub async fn run(args: AgentArgs, manifest_path: PathBuf) -> anyhow::Result<()> {
+pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     if !args.interfaces.is_empty() {
         tracing::warn!(interfaces = ?args.interfaces, "--interfaces is for the packet-level datapath (NodePort), which this build does not have yet; ignored");
     }
@@ -85,42 +84,36 @@ pub async fn run(args: AgentArgs, manifest_path: PathBuf) -> anyhow::Result<()> 
     };
 
     let config = NodeConfig { node_name: args.node_name.clone() };
+    let mut source = match &args.source {
+        SourceKind::File(path) => source::file::start(path.clone(), args.poll_interval),
+        SourceKind::Kube => {
+            let client = source::kube::client(args.kubeconfig.as_deref()).await?;
+            source::kube::start(client, &args.node_name)
+        }
+    };
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
-    let mut interval = tokio::time::interval(args.poll_interval);
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut applied_snapshot = None;
+    // Frontends that did not fit (e.g. a full map) are retried on this tick.
+    let mut retry = tokio::time::interval(std::time::Duration::from_secs(1));
+    let mut failing = false;
     let mut reported: BTreeSet<String> = BTreeSet::new();
-    let mut read_error_reported = false;
+    tracing::info!("waiting for a complete view from the source before changing anything");
 
     loop {
         tokio::select! {
-            _ = interval.tick() => {}
+            changed = source.generation.changed() => if changed.is_err() { anyhow::bail!("the source stopped") },
+            _ = retry.tick(), if failing => {}
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        let snapshot = match source::read_manifests(&manifest_path) {
-            Ok(snapshot) => {
-                read_error_reported = false;
-                snapshot
-            }
-            Err(error) => {
-                // Keep serving the last state: an unreadable source is never an empty one.
-                if !read_error_reported {
-                    tracing::warn!("{}; keeping the last programmed state", error_chain(&error));
-                    read_error_reported = true;
-                }
-                continue;
-            }
-        };
-        if applied_snapshot.as_ref() == Some(&snapshot) {
+        if *source.generation.borrow_and_update() == 0 {
             continue;
         }
 
         let started = Instant::now();
-        let (cluster, mut rejections) = source::parse_manifests(&snapshot);
-        let desired = desired::compute(&cluster, &config);
-        rejections.extend(desired.rejections.iter().cloned());
+        let snapshot = (source.read)();
+        let desired = desired::compute(&snapshot.cluster, &config);
+        let rejections: Vec<_> = snapshot.rejections.iter().chain(&desired.rejections).collect();
         let report = reconciler.reconcile(&desired);
         let elapsed = started.elapsed();
 
@@ -136,28 +129,29 @@ pub async fn run(args: AgentArgs, manifest_path: PathBuf) -> anyhow::Result<()> 
             tracing::warn!("{problem}");
         }
         reported = current;
+        failing = !report.failures.is_empty();
 
         let mut st = status.lock().expect("status lock");
         st.frontends = reconciler.programmed_frontends();
         st.backends = reconciler.programmed_backends();
         st.rejected_objects = rejections.len();
         st.last_sync_seconds = elapsed.as_secs_f64();
-        if report.failures.is_empty() {
+        if failing {
+            st.sync_failures += 1;
+        } else {
             st.syncs += 1;
             st.last_synced = Some(now_unix());
-            // Retried on the next tick otherwise (e.g. a full map that was then enlarged).
-            applied_snapshot = Some(snapshot);
-        } else {
-            st.sync_failures += 1;
         }
-        tracing::info!(
-            frontends = st.frontends,
-            backends = st.backends,
-            writes = report.writes,
-            failures = report.failures.len(),
-            took_ms = format!("{:.2}", elapsed.as_secs_f64() * 1e3),
-            "synced"
-        );
+        if report.writes > 0 || failing || st.syncs == 1 {
+            tracing::info!(
+                frontends = st.frontends,
+                backends = st.backends,
+                writes = report.writes,
+                failures = report.failures.len(),
+                took_ms = format!("{:.2}", elapsed.as_secs_f64() * 1e3),
+                "synced"
+            );
+        }
     }
     tracing::info!("stopping; the datapath stays attached and keeps serving the last state (`ebpf-proxy cleanup` removes it)");
     Ok(())

@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
@@ -47,9 +47,13 @@ const DEFAULT_BPFFS: &str = "/sys/fs/bpf/ebpf-proxy";
 
 #[derive(Args, Clone, Debug)]
 pub struct AgentArgs {
-    /// Where Services and EndpointSlices come from: `file:PATH` (a manifest file or directory).
+    /// Where Services and EndpointSlices come from: `kube` (the Kubernetes API) or `file:PATH`
+    /// (a manifest file or a directory of them).
+    #[arg(long, default_value = "kube", value_parser = parse_source)]
+    pub source: SourceKind,
+    /// Kubeconfig for `--source kube` (default: in-cluster config, then $KUBECONFIG, ~/.kube/config).
     #[arg(long)]
-    pub source: String,
+    pub kubeconfig: Option<PathBuf>,
     /// This node's name (endpoints' nodeName are compared with it).
     #[arg(long, env = "NODE_NAME", default_value_t = default_node_name())]
     pub node_name: String,
@@ -86,6 +90,22 @@ pub struct AgentArgs {
     /// Capacity of the socket reverse-translation LRU.
     #[arg(long, default_value_t = proxy_abi::capacity::REV_SOCK4)]
     pub map_size_rev_sock: u32,
+}
+
+#[derive(Clone, Debug)]
+pub enum SourceKind {
+    Kube,
+    File(PathBuf),
+}
+
+fn parse_source(text: &str) -> Result<SourceKind, String> {
+    match text {
+        "kube" => Ok(SourceKind::Kube),
+        _ => match text.strip_prefix("file:") {
+            Some(path) if !path.is_empty() => Ok(SourceKind::File(PathBuf::from(path))),
+            _ => Err(format!("unsupported source {text:?}: use kube or file:PATH")),
+        },
+    }
 }
 
 fn default_node_name() -> String {
@@ -132,15 +152,11 @@ fn main() -> anyhow::Result<()> {
             if args.cgroup.is_none() {
                 args.cgroup = Some(cgroup2_root()?);
             }
-            let Some(path) = args.source.strip_prefix("file:") else {
-                bail!("unsupported --source {:?}: use file:PATH", args.source);
-            };
-            let path = PathBuf::from(path);
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()?
-                .block_on(agent::run(args, path))
+                .block_on(agent::run(args))
         }
         Command::Dump { bpffs, json } => {
             let dump = dump::collect(&bpffs)?;

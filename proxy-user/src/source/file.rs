@@ -1,8 +1,9 @@
-//! Where cluster objects come from. `file:PATH` reads ordinary Kubernetes manifests (a
-//! multi-document YAML or JSON file, or a directory of them) and notices when they change.
+//! `file:PATH`: ordinary Kubernetes manifests (a multi-document YAML or JSON file, or a directory
+//! of them), re-read on an interval and published when their content changed.
 //!
 //! A document that cannot be read is reported with its file and position and skipped; it never
-//! stops the other documents from being used.
+//! stops the other documents from being used. An unreadable file keeps the last view: an
+//! unreadable source is never an empty one.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -13,7 +14,9 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde::Deserialize;
 
+use crate::agent::error_chain;
 use crate::desired::{ClusterState, Rejection};
+use crate::source::{Snapshot, SourceHandle};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
@@ -48,6 +51,43 @@ pub fn read_manifests(path: &Path) -> Result<ManifestSnapshot, SourceError> {
         snapshot.insert(path.to_owned(), fs::read(path).map_err(err)?);
     }
     Ok(snapshot)
+}
+
+/// Starts polling `path` every `interval`.
+pub fn start(path: PathBuf, interval: std::time::Duration) -> SourceHandle {
+    let (generation_tx, generation) = tokio::sync::watch::channel(0u64);
+    let current = std::sync::Arc::new(std::sync::Mutex::new(Snapshot::default()));
+    let shared = current.clone();
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last: Option<ManifestSnapshot> = None;
+        let mut read_error_reported = false;
+        loop {
+            ticker.tick().await;
+            let files = match read_manifests(&path) {
+                Ok(files) => {
+                    read_error_reported = false;
+                    files
+                }
+                Err(error) => {
+                    if !read_error_reported {
+                        tracing::warn!("{}; keeping the last programmed state", error_chain(&error));
+                        read_error_reported = true;
+                    }
+                    continue;
+                }
+            };
+            if last.as_ref() == Some(&files) {
+                continue;
+            }
+            let (cluster, rejections) = parse_manifests(&files);
+            *shared.lock().expect("snapshot lock") = Snapshot { cluster, rejections };
+            last = Some(files);
+            generation_tx.send_modify(|g| *g += 1);
+        }
+    });
+    SourceHandle { generation, read: std::sync::Arc::new(move || current.lock().expect("snapshot lock").clone()) }
 }
 
 #[derive(Deserialize)]
