@@ -66,29 +66,39 @@ pub struct Agent {
     child: Option<Child>,
     pub bpffs: PathBuf,
     pub cgroup: PathBuf,
-    pub manifest: PathBuf,
     pub healthz_port: u16,
     pub metrics_port: u16,
     pub log: PathBuf,
     pub state_dir: PathBuf,
+    /// `--source ...` (and `--kubeconfig ...`) arguments.
+    pub source_args: Vec<String>,
     /// Extra command-line arguments for the next (re)starts.
     pub extra_args: Vec<String>,
     starts: u32,
 }
 
 impl Agent {
-    /// Starts the agent for `topology` on `manifest` and waits until it has synced once.
+    /// Starts the agent for `topology` on `dir`'s manifest and waits until it has synced once.
     pub fn start(topology: &Topology, dir: &AgentDir) -> anyhow::Result<Self> {
+        Self::start_with_source(topology, dir, vec![format!("--source=file:{}", dir.manifest().display())])
+    }
+
+    /// Starts the agent on the Kubernetes API behind `kubeconfig` and waits until it has synced.
+    pub fn start_kube(topology: &Topology, dir: &AgentDir, kubeconfig: &Path) -> anyhow::Result<Self> {
+        Self::start_with_source(topology, dir, vec!["--source=kube".into(), format!("--kubeconfig={}", kubeconfig.display())])
+    }
+
+    fn start_with_source(topology: &Topology, dir: &AgentDir, source_args: Vec<String>) -> anyhow::Result<Self> {
         let (healthz_port, metrics_port) = free_ports();
         let mut agent = Self {
             child: None,
             bpffs: PathBuf::from(format!("/sys/fs/bpf/{}-{}", crate::PREFIX, topology.id)),
             cgroup: topology.cgroup.path.clone(),
-            manifest: dir.manifest(),
             healthz_port,
             metrics_port,
             log: dir.dir.join("agent.log"),
             state_dir: dir.dir.join("state"),
+            source_args,
             extra_args: Vec::new(),
             starts: 0,
         };
@@ -96,7 +106,7 @@ impl Agent {
         Ok(agent)
     }
 
-    /// A second agent for the same node (same bpffs, cgroup, manifest and state dir), other
+    /// A second agent for the same node (same bpffs, cgroup, source and state dir), other
     /// ports and log. Spawned but not waited for.
     pub fn spawn_second(&self) -> anyhow::Result<Self> {
         let (healthz_port, metrics_port) = free_ports();
@@ -104,11 +114,11 @@ impl Agent {
             child: None,
             bpffs: self.bpffs.clone(),
             cgroup: self.cgroup.clone(),
-            manifest: self.manifest.clone(),
             healthz_port,
             metrics_port,
             log: self.log.with_extension("second.log"),
             state_dir: self.state_dir.clone(),
+            source_args: self.source_args.clone(),
             extra_args: self.extra_args.clone(),
             starts: 0,
         };
@@ -127,7 +137,7 @@ impl Agent {
         let log = fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let child = Command::new(crate::bin("ebpf-proxy"))
             .arg("agent")
-            .arg(format!("--source=file:{}", self.manifest.display()))
+            .args(&self.source_args)
             .arg("--cgroup")
             .arg(&self.cgroup)
             .arg("--bpffs")

@@ -6,11 +6,16 @@
 //!   that count answers and failed connections), run inside pods.
 //! - [`agent`]: runs `ebpf-proxy` against a manifest file with its own bpffs and cgroup.
 //! - [`scenario`]: a client, two backends behind a Service, and the agent, ready to use.
+//! - [`control_plane`]: real etcd + kube-apiserver (from `cargo xtask peers`, `$EPX_PEERS_DIR`)
+//!   in a pod of a topology, reachable from the host's loopback, with blocking apply/delete.
+//! - [`forward`]: a TCP forwarder from the host's loopback into a namespace, which can black-hole.
 //!
 //! Everything is created with unique names and removed on drop, also when a test fails. Traffic
 //! never leaves the namespaces created here.
 
 pub mod agent;
+pub mod control_plane;
+pub mod forward;
 pub mod probe;
 pub mod scenario;
 pub mod topology;

@@ -94,12 +94,15 @@ fn build() -> anyhow::Result<()> {
 
 fn test(args: &[String]) -> anyhow::Result<()> {
     build()?;
+    // The control-plane tests run the real kube-apiserver and etcd from here.
+    let peers = peers::run()?;
     setup::sweep_leftovers();
     step("running all tests (unit tests, then end-to-end tests in network namespaces)");
     // One test at a time: the end-to-end tests measure timing (e.g. "within 1 s") on 2 cores.
     let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .current_dir(workspace_root())
         .env("EPX_EBPF_OBJECT", ebpf_object())
+        .env("EPX_PEERS_DIR", &peers)
         .args(["test", "--release", "--package", "proxy-user", "--package", "e2e", "--package", "xtask", "--lib", "--bins", "--tests", "--"])
         .arg("--test-threads=1")
         .args(args)

@@ -11,7 +11,8 @@ pub const DEBIAN_CARGO: &str = "/usr/bin/cargo";
 pub const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
 
 /// Debian packages: the eBPF toolchain (rustc-web with its std sources, LLVM 22 for
-/// bpf-linker) and the tools the tests drive (iproute2 for namespaces, util-linux for nsenter).
+/// bpf-linker) and the tools the tests drive (iproute2 for namespaces, util-linux for nsenter,
+/// openssl for the test control plane's certificates and keys).
 const PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
@@ -22,6 +23,7 @@ const PACKAGES: &[&str] = &[
     "zlib1g-dev",
     "iproute2",
     "util-linux",
+    "openssl",
 ];
 
 const BPF_LINKER_VERSION: &str = "0.13";
