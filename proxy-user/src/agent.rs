@@ -15,7 +15,7 @@ use crate::desired::{self, NodeConfig};
 use crate::http::{self, Response};
 use crate::kernel::{self, MapCapacities};
 use crate::reconcile::Reconciler;
-use crate::source;
+use crate::source::{self, SourceHealth};
 use crate::{AgentArgs, SourceKind};
 
 /// What health and metrics report. Updated by the loop, read by the HTTP handlers.
@@ -69,26 +69,29 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     );
 
     let status = Arc::new(Mutex::new(Status::default()));
+    let source_health = Arc::new(SourceHealth::default());
     let _healthz = {
         let status = status.clone();
-        http::serve(args.healthz_bind, move |path| healthz(&status, path))
+        let source_health = source_health.clone();
+        http::serve(args.healthz_bind, move |path| healthz(&status, &source_health, path))
             .await
             .with_context(|| format!("binding --healthz-bind {}", args.healthz_bind))?
     };
     let _metrics = {
         let status = status.clone();
         let bpffs = args.bpffs.clone();
-        http::serve(args.metrics_bind, move |path| metrics(&status, &bpffs, path))
+        let source_health = source_health.clone();
+        http::serve(args.metrics_bind, move |path| metrics(&status, &source_health, &bpffs, path))
             .await
             .with_context(|| format!("binding --metrics-bind {}", args.metrics_bind))?
     };
 
     let config = NodeConfig { node_name: args.node_name.clone() };
     let mut source = match &args.source {
-        SourceKind::File(path) => source::file::start(path.clone(), args.poll_interval),
+        SourceKind::File(path) => source::file::start(path.clone(), args.poll_interval, source_health),
         SourceKind::Kube => {
             let client = source::kube::client(args.kubeconfig.as_deref()).await?;
-            source::kube::start(client, &args.node_name)
+            source::kube::start(client, &args.node_name, source_health)
         }
     };
     let mut sigterm = signal(SignalKind::terminate())?;
@@ -186,23 +189,31 @@ async fn take_writer_lock(state_dir: &std::path::Path) -> anyhow::Result<std::fs
     .await?
 }
 
-fn healthz(status: &Mutex<Status>, path: &str) -> Response {
+/// `/livez`: the process runs (the datapath does not depend on it anyway).
+/// `/healthz`: 200 once the datapath was programmed from a complete view and the source can
+/// confirm that view is current; 503 before the first sync and while the source is failing
+/// (`"stale": true`: the datapath serves the last known state).
+fn healthz(status: &Mutex<Status>, source: &SourceHealth, path: &str) -> Response {
     let st = status.lock().expect("status lock");
     match path {
         "/livez" => Response::text(200, "ok"),
         "/healthz" => {
-            let now = now_unix();
-            let body = format!(
-                "{{\"lastUpdated\": {}, \"currentTime\": {now:.3}}}",
-                st.last_synced.map_or("null".to_owned(), |t| format!("{t:.3}"))
-            );
-            Response::json(if st.last_synced.is_some() { 200 } else { 503 }, body)
+            let failing = source.failing();
+            let body = serde_json::json!({
+                "lastUpdated": st.last_synced,
+                "currentTime": now_unix(),
+                "stale": failing.is_some(),
+                "staleSeconds": failing.as_ref().map(|(since, _)| since.elapsed().as_secs_f64()),
+                "sourceError": failing.as_ref().map(|(_, error)| error.clone()),
+            });
+            let healthy = st.last_synced.is_some() && failing.is_none();
+            Response::json(if healthy { 200 } else { 503 }, body.to_string())
         }
         _ => Response::text(404, "not found"),
     }
 }
 
-fn metrics(status: &Mutex<Status>, bpffs: &std::path::Path, path: &str) -> Response {
+fn metrics(status: &Mutex<Status>, source: &SourceHealth, bpffs: &std::path::Path, path: &str) -> Response {
     if path != "/metrics" {
         return Response::text(404, "not found");
     }
@@ -218,6 +229,7 @@ fn metrics(status: &Mutex<Status>, bpffs: &std::path::Path, path: &str) -> Respo
         gauge("ebpf_proxy_last_sync_timestamp_seconds", "Unix time of the last successful sync.", "gauge", st.last_synced.unwrap_or(0.0));
         gauge("ebpf_proxy_frontends_programmed", "Frontends (VIP, port, protocol) in the datapath.", "gauge", st.frontends as f64);
         gauge("ebpf_proxy_backends_programmed", "Backends in the datapath.", "gauge", st.backends as f64);
+        gauge("ebpf_proxy_source_up", "1 while the source (API or file) answers, 0 during an outage.", "gauge", if source.failing().is_some() { 0.0 } else { 1.0 });
         gauge("ebpf_proxy_rejected_objects", "Objects or parts of objects rejected in the last sync.", "gauge", st.rejected_objects as f64);
     }
     if let Ok(counters) = kernel::read_counters(bpffs) {

@@ -186,6 +186,11 @@ impl ControlPlane {
         self.client.clone()
     }
 
+    /// A client that authenticates as `kubeconfig` says (e.g. one from [`Self::kubeconfig_for_token`]).
+    pub fn client_for_kubeconfig(&self, kubeconfig: &Path) -> anyhow::Result<kube::Client> {
+        self.block_on(client_from(kubeconfig))
+    }
+
     /// Runs a future on this control plane's runtime (for the async `kube` API in sync tests).
     pub fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
         self.runtime.block_on(future)
@@ -200,11 +205,21 @@ impl ControlPlane {
     /// manager [`FIELD_MANAGER`], forced). Namespaced objects without a namespace go to
     /// `default`; a missing namespace is created first.
     pub fn apply(&self, yaml: &str) -> anyhow::Result<()> {
+        self.apply_with(yaml, PatchParams::apply(FIELD_MANAGER).force())
+    }
+
+    /// Server-side apply with `dryRun=All`: the API server validates and admits every object
+    /// (RBAC, schema, defaulting) but stores nothing.
+    pub fn apply_dry_run(&self, yaml: &str) -> anyhow::Result<()> {
+        self.apply_with(yaml, PatchParams::apply(FIELD_MANAGER).force().dry_run())
+    }
+
+    fn apply_with(&self, yaml: &str, params: PatchParams) -> anyhow::Result<()> {
         let objects = parse_objects(yaml)?;
         self.block_on(async {
             for object in objects {
                 let (api, name) = self.api_for(&object).await?;
-                api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&object))
+                api.patch(&name, &params, &Patch::Apply(&object))
                     .await
                     .with_context(|| format!("applying {}", describe(&object)))?;
             }

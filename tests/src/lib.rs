@@ -5,6 +5,7 @@
 //! - [`probe`]: the `epx-probe` traffic generator (servers that answer with their name, clients
 //!   that count answers and failed connections), run inside pods.
 //! - [`agent`]: runs `ebpf-proxy` against a manifest file with its own bpffs and cgroup.
+//! - [`kube_scenario`]: the same on the real kube-apiserver, with the agent watching the API.
 //! - [`scenario`]: a client, two backends behind a Service, and the agent, ready to use.
 //! - [`control_plane`]: real etcd + kube-apiserver (from `cargo xtask peers`, `$EPX_PEERS_DIR`)
 //!   in a pod of a topology, reachable from the host's loopback, with blocking apply/delete.
@@ -17,6 +18,7 @@ pub mod agent;
 pub mod control_plane;
 pub mod forward;
 pub mod probe;
+pub mod kube_scenario;
 pub mod scenario;
 pub mod topology;
 

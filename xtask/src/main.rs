@@ -3,6 +3,7 @@
 //! The kernel crate is built here and only here (Debian's rustc-web with build-std=core for
 //! bpfel-unknown-none); the userspace binary embeds the object it produced.
 
+mod cluster;
 mod demo;
 mod peers;
 mod setup;
@@ -37,6 +38,19 @@ enum Task {
     Demo,
     /// Build kube-apiserver, kube-proxy and etcd from their Go modules into the cache.
     Peers,
+    /// A local control plane (etcd + kube-apiserver) in a network namespace, with a kubeconfig.
+    Cluster {
+        #[command(subcommand)]
+        action: ClusterAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum ClusterAction {
+    /// Start it and keep it running until Ctrl-C; prints the kubeconfig path.
+    Up,
+    /// Remove what an interrupted `up` (or test run) left behind.
+    Down,
 }
 
 pub fn workspace_root() -> PathBuf {
@@ -147,6 +161,11 @@ fn main() -> anyhow::Result<()> {
             setup::sweep_leftovers();
             demo::run()
         }
+        Task::Cluster { action: ClusterAction::Up } => {
+            setup::ensure()?;
+            cluster::up()
+        }
+        Task::Cluster { action: ClusterAction::Down } => cluster::down(),
         Task::Peers => peers::run().map(|dir| println!("{}", dir.display())),
     }
 }

@@ -122,6 +122,13 @@ pub fn sweep_leftovers() {
             }
         }
     }
+    if let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) {
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
     if let Ok(root) = e2e::topology::cgroup2_root() {
         if let Ok(entries) = std::fs::read_dir(&root) {
             for entry in entries.flatten() {

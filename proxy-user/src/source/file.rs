@@ -16,7 +16,7 @@ use serde::Deserialize;
 
 use crate::agent::error_chain;
 use crate::desired::{ClusterState, Rejection};
-use crate::source::{Snapshot, SourceHandle};
+use crate::source::{Snapshot, SourceHandle, SourceHealth};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
@@ -54,10 +54,11 @@ pub fn read_manifests(path: &Path) -> Result<ManifestSnapshot, SourceError> {
 }
 
 /// Starts polling `path` every `interval`.
-pub fn start(path: PathBuf, interval: std::time::Duration) -> SourceHandle {
+pub fn start(path: PathBuf, interval: std::time::Duration, health: std::sync::Arc<SourceHealth>) -> SourceHandle {
     let (generation_tx, generation) = tokio::sync::watch::channel(0u64);
     let current = std::sync::Arc::new(std::sync::Mutex::new(Snapshot::default()));
     let shared = current.clone();
+    let source_health = health;
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -68,9 +69,11 @@ pub fn start(path: PathBuf, interval: std::time::Duration) -> SourceHandle {
             let files = match read_manifests(&path) {
                 Ok(files) => {
                     read_error_reported = false;
+                    source_health.succeeded();
                     files
                 }
                 Err(error) => {
+                    source_health.failed(error_chain(&error));
                     if !read_error_reported {
                         tracing::warn!("{}; keeping the last programmed state", error_chain(&error));
                         read_error_reported = true;
@@ -87,7 +90,10 @@ pub fn start(path: PathBuf, interval: std::time::Duration) -> SourceHandle {
             generation_tx.send_modify(|g| *g += 1);
         }
     });
-    SourceHandle { generation, read: std::sync::Arc::new(move || current.lock().expect("snapshot lock").clone()) }
+    SourceHandle {
+        generation,
+        read: std::sync::Arc::new(move || current.lock().expect("snapshot lock").clone()),
+    }
 }
 
 #[derive(Deserialize)]

@@ -20,7 +20,15 @@ use kube::{Api, Client, Config};
 
 use crate::agent::error_chain;
 use crate::desired::ClusterState;
-use crate::source::{Snapshot, SourceHandle};
+use crate::source::{Snapshot, SourceHandle, SourceHealth};
+
+/// Server-side timeout of each watch call. kube-runtime treats a watch that stays silent for this
+/// plus 5 s as dead and reconnects, so a black-holed or half-open API connection (kubernetes#56720)
+/// is noticed within 35 s instead of hanging forever.
+const WATCH_TIMEOUT_SECS: u32 = 30;
+/// Bound on waiting for any response bytes (lists included); above the watch timeout so a quiet
+/// but healthy watch is never cut.
+const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(40);
 
 /// A client from `--kubeconfig`, else the in-cluster config, else `$KUBECONFIG`/~/.kube/config.
 pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
@@ -34,30 +42,33 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
         }
         None => Config::infer().await.context("no in-cluster config and no kubeconfig found")?,
     };
+    let mut config = config;
+    config.read_timeout = Some(READ_TIMEOUT);
     tracing::info!(server = %config.cluster_url, "Kubernetes API source");
     Client::try_from(config).context("building the Kubernetes client")
 }
 
 /// Starts the watchers and returns the handle the agent reads from.
-pub fn start(client: Client, node_name: &str) -> SourceHandle {
+pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> SourceHandle {
     let (generation_tx, generation) = tokio::sync::watch::channel(0u64);
     let (services, services_writer) = reflector::store::<Service>();
     let (slices, slices_writer) = reflector::store::<EndpointSlice>();
     let (nodes, nodes_writer) = reflector::store::<Node>();
 
-    let service_events = watcher(Api::<Service>::all(client.clone()), watcher::Config::default())
+    let service_events = watcher(Api::<Service>::all(client.clone()), watch_config())
         .default_backoff()
         .reflect(services_writer);
-    let slice_events = watcher(Api::<EndpointSlice>::all(client.clone()), watcher::Config::default())
+    let slice_events = watcher(Api::<EndpointSlice>::all(client.clone()), watch_config())
         .default_backoff()
         .reflect(slices_writer);
     let node_events = watcher(
         Api::<Node>::all(client),
-        watcher::Config::default().fields(&format!("metadata.name={node_name}")),
+        watch_config().fields(&format!("metadata.name={node_name}")),
     )
     .default_backoff()
     .reflect(nodes_writer);
 
+    let source_health = health;
     tokio::spawn(async move {
         let mut service_events = pin!(service_events);
         let mut slice_events = pin!(slice_events);
@@ -71,8 +82,14 @@ pub fn start(client: Client, node_name: &str) -> SourceHandle {
                 e = next(&mut node_events) => (2, e),
             };
             match event {
-                Some(Ok(init_done)) => listed[kind] |= init_done,
+                Some(Ok(init_done)) => {
+                    listed[kind] |= init_done;
+                    if source_health.succeeded() {
+                        tracing::info!("the Kubernetes API answers again; catching up");
+                    }
+                }
                 Some(Err(error)) => {
+                    source_health.failed(error_chain(&error));
                     tracing::warn!(
                         kind = ["Service", "EndpointSlice", "Node"][kind],
                         "watch failed, retrying with backoff; the datapath keeps its last state: {}",
@@ -100,6 +117,10 @@ pub fn start(client: Client, node_name: &str) -> SourceHandle {
         rejections: Vec::new(),
     };
     SourceHandle { generation, read: Arc::new(read) }
+}
+
+fn watch_config() -> watcher::Config {
+    watcher::Config::default().timeout(WATCH_TIMEOUT_SECS)
 }
 
 /// The next event of a reflected watch: Ok(true) when it completed a (re)list.

@@ -8,7 +8,8 @@
 pub mod file;
 pub mod kube;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use tokio::sync::watch;
 
@@ -27,4 +28,31 @@ pub struct SourceHandle {
     pub generation: watch::Receiver<u64>,
     /// Reads the current complete view.
     pub read: Arc<dyn Fn() -> Snapshot + Send + Sync>,
+}
+
+/// Whether the source can currently confirm that its view is up to date.
+#[derive(Debug, Default)]
+pub struct SourceHealth {
+    /// Set when the source failed and has not recovered since; cleared by the next success.
+    failing_since: Mutex<Option<(Instant, String)>>,
+}
+
+impl SourceHealth {
+    pub fn failed(&self, error: String) {
+        let mut failing = self.failing_since.lock().expect("source health lock");
+        match failing.as_mut() {
+            Some((_, last)) => *last = error,
+            None => *failing = Some((Instant::now(), error)),
+        }
+    }
+
+    /// Returns true when this ends an outage.
+    pub fn succeeded(&self) -> bool {
+        self.failing_since.lock().expect("source health lock").take().is_some()
+    }
+
+    /// Since when, and the latest error, if the source is failing now.
+    pub fn failing(&self) -> Option<(Instant, String)> {
+        self.failing_since.lock().expect("source health lock").clone()
+    }
 }
