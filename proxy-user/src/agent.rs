@@ -11,6 +11,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use tokio::signal::unix::{signal, SignalKind};
 
+use crate::checkpoint;
 use crate::desired::{self, NodeConfig};
 use crate::http::{self, Response};
 use crate::kernel::{self, MapCapacities};
@@ -29,6 +30,8 @@ struct Status {
     frontends: usize,
     backends: usize,
     rejected_objects: usize,
+    /// Serving the checkpoint's state; the source has not confirmed it yet.
+    restored_from_checkpoint: bool,
 }
 
 fn now_unix() -> f64 {
@@ -69,6 +72,9 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     );
 
     let status = Arc::new(Mutex::new(Status::default()));
+    if reconciler.programmed_frontends() == 0 {
+        restore_checkpoint(&args.state_dir, &mut reconciler, &status);
+    }
     let source_health = Arc::new(SourceHealth::default());
     let _healthz = {
         let status = status.clone();
@@ -100,6 +106,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let mut retry = tokio::time::interval(std::time::Duration::from_secs(1));
     let mut failing = false;
     let mut reported: BTreeSet<String> = BTreeSet::new();
+    let mut checkpointed: Option<desired::DesiredState> = None;
     tracing::info!("waiting for a complete view from the source before changing anything");
 
     loop {
@@ -144,6 +151,13 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         } else {
             st.syncs += 1;
             st.last_synced = Some(now_unix());
+            st.restored_from_checkpoint = false;
+            if checkpointed.as_ref().map(|c| &c.frontends) != Some(&desired.frontends) {
+                match checkpoint::save(&args.state_dir, &desired) {
+                    Ok(()) => checkpointed = Some(desired.clone()),
+                    Err(error) => tracing::warn!("cannot write the checkpoint: {}", error_chain(&error)),
+                }
+            }
         }
         if report.writes > 0 || failing || st.syncs == 1 {
             tracing::info!(
@@ -158,6 +172,29 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     }
     tracing::info!("stopping; the datapath stays attached and keeps serving the last state (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// On an empty datapath (a reboot emptied bpffs, or a first start) the last checkpoint is
+/// programmed at once, before the source answers, so Services (cluster DNS first of all) work
+/// even when the API server is unreachable. The source's first complete view replaces it.
+fn restore_checkpoint<M: crate::lbmap::LbMaps>(state_dir: &std::path::Path, reconciler: &mut Reconciler<M>, status: &Mutex<Status>) {
+    match checkpoint::load(state_dir) {
+        Ok(None) => {}
+        Ok(Some(state)) => {
+            let report = reconciler.reconcile(&state);
+            for failure in &report.failures {
+                tracing::warn!("checkpoint entry not restored: {}: {}", failure.what, error_chain(&failure.error));
+            }
+            status.lock().expect("status lock").restored_from_checkpoint = true;
+            tracing::warn!(
+                frontends = reconciler.programmed_frontends(),
+                backends = reconciler.programmed_backends(),
+                "datapath was empty: restored it from the checkpoint {}; serving that until the source answers",
+                checkpoint::path(state_dir).display()
+            );
+        }
+        Err(error) => tracing::error!("ignoring the checkpoint, it is not trustworthy: {}", error_chain(&error)),
+    }
 }
 
 /// One writer per node: the agent holds an exclusive lock on `<state-dir>/agent.lock` for its
@@ -205,6 +242,7 @@ fn healthz(status: &Mutex<Status>, source: &SourceHealth, path: &str) -> Respons
                 "stale": failing.is_some(),
                 "staleSeconds": failing.as_ref().map(|(since, _)| since.elapsed().as_secs_f64()),
                 "sourceError": failing.as_ref().map(|(_, error)| error.clone()),
+                "restoredFromCheckpoint": st.restored_from_checkpoint,
             });
             let healthy = st.last_synced.is_some() && failing.is_none();
             Response::json(if healthy { 200 } else { 503 }, body.to_string())

@@ -1,6 +1,7 @@
 //! `ebpf-proxy`: the node agent that fills the kernel's load-balancing maps, and its tools.
 
 mod agent;
+mod checkpoint;
 mod desired;
 mod dump;
 mod http;

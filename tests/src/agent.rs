@@ -132,7 +132,8 @@ impl Agent {
         self.wait_healthy(Duration::from_secs(10))
     }
 
-    fn spawn(&mut self) -> anyhow::Result<()> {
+    /// Starts the agent process without waiting for it to become healthy.
+    pub fn spawn(&mut self) -> anyhow::Result<()> {
         self.starts += 1;
         let log = fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
         let child = Command::new(crate::bin("ebpf-proxy"))
@@ -217,6 +218,14 @@ impl Agent {
     /// SIGKILL and wait: as a crash or an OOM kill.
     pub fn kill(&mut self) -> anyhow::Result<()> {
         self.signal(libc::SIGKILL)
+    }
+
+    /// A node reboot, as the datapath sees it: the agent is gone and bpffs is empty (every pinned
+    /// program and map removed). The state directory survives, as a host path does.
+    pub fn simulate_reboot(&mut self) -> anyhow::Result<()> {
+        self.kill()?;
+        crate::topology::run(Command::new(crate::bin("ebpf-proxy")).arg("cleanup").arg("--bpffs").arg(&self.bpffs))?;
+        Ok(())
     }
 
     /// `ebpf-proxy dump --json`, which reads only the pinned maps.

@@ -47,7 +47,6 @@ pub const KUBERNETES_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 1);
 pub const FIELD_MANAGER: &str = "epx-tests";
 
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
-const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 const LOG_TAIL_LINES: usize = 40;
 
 /// The directory with `etcd`, `kube-apiserver` and `kube-proxy`: `$EPX_PEERS_DIR`.
@@ -247,10 +246,13 @@ impl ControlPlane {
         })
     }
 
-    /// Stops kube-apiserver (SIGTERM, then SIGKILL after 30 s); etcd keeps running.
+    /// Kills kube-apiserver (SIGKILL: the master fails, as in a crash or a lost machine); etcd
+    /// keeps running.
     pub fn stop_apiserver(&mut self) -> anyhow::Result<()> {
         let mut child = self.apiserver.take().context("kube-apiserver is not running")?;
-        stop(&mut child, STOP_TIMEOUT).context("stopping kube-apiserver")
+        child.kill().context("killing kube-apiserver")?;
+        child.wait().context("reaping kube-apiserver")?;
+        Ok(())
     }
 
     /// Starts kube-apiserver again (same flags, same etcd) and waits until it is ready.
@@ -413,25 +415,6 @@ impl Drop for Cleanup {
 fn kill(mut child: Child) {
     let _ = child.kill();
     let _ = child.wait();
-}
-
-/// SIGTERM, wait up to `timeout`, then SIGKILL.
-fn stop(child: &mut Child, timeout: Duration) -> anyhow::Result<()> {
-    let pid = libc::pid_t::try_from(child.id()).context("pid out of range")?;
-    // SAFETY: kill(2) on our own child, which has not been reaped yet (so the pid is still ours).
-    if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("sending SIGTERM");
-    }
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if child.try_wait()?.is_some() {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    child.kill()?;
-    child.wait()?;
-    Ok(())
 }
 
 fn log_file(path: &Path) -> anyhow::Result<File> {

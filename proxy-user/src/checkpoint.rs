@@ -1,0 +1,190 @@
+//! The on-disk checkpoint of the last desired state, for a node that reboots while the API server
+//! is unreachable: bpffs is empty then, and without it the node would have no Service routing
+//! (not even the cluster DNS Service) until the API answers.
+//!
+//! Written after every successful sync: atomically (temp file, fsync, rename), versioned, and
+//! checksummed. A checkpoint that is corrupt, of another format, or of another version is
+//! reported and ignored, never trusted.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::desired::{BackendAddr, DesiredState, Frontend, FrontendSpec, Proto, Scope, ServicePortName};
+
+const MAGIC: &str = "ebpf-proxy-checkpoint";
+const VERSION: u32 = 1;
+pub const FILE_NAME: &str = "checkpoint.v1";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot write {path}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not an ebpf-proxy checkpoint of format {VERSION} (header {header:?})")]
+    Foreign { path: PathBuf, header: String },
+    #[error("{path} is corrupt: checksum {found:016x}, header says {expected:016x}")]
+    Checksum { path: PathBuf, found: u64, expected: u64 },
+    #[error("{path} is corrupt: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+}
+
+#[derive(Serialize, Deserialize, PartialEq, Debug)]
+struct Entry {
+    ip: Ipv4Addr,
+    port: u16,
+    protocol: u8,
+    scope: u8,
+    namespace: String,
+    name: String,
+    port_name: String,
+    backends: Vec<(Ipv4Addr, u16)>,
+}
+
+/// FNV-1a, 64 bit: detects torn or edited files; this is not a defence against tampering (the
+/// state directory is root's).
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+pub fn path(state_dir: &Path) -> PathBuf {
+    state_dir.join(FILE_NAME)
+}
+
+/// Writes `state` to `state_dir` atomically.
+pub fn save(state_dir: &Path, state: &DesiredState) -> Result<(), CheckpointError> {
+    let entries: Vec<Entry> = state
+        .frontends
+        .iter()
+        .map(|(f, spec)| Entry {
+            ip: f.addr,
+            port: f.port,
+            protocol: f.proto.number(),
+            scope: f.scope.number(),
+            namespace: spec.service.namespace.clone(),
+            name: spec.service.name.clone(),
+            port_name: spec.service.port.clone(),
+            backends: spec.backends.iter().map(|b| (b.addr, b.port)).collect(),
+        })
+        .collect();
+    let payload = serde_json::to_string(&entries).expect("checkpoint entries serialise");
+    let contents = format!("{MAGIC} {VERSION} {:016x}\n{payload}\n", fnv1a64(payload.as_bytes()));
+    let target = path(state_dir);
+    let tmp = state_dir.join(format!(".{FILE_NAME}.tmp"));
+    let err = |source| CheckpointError::Write { path: target.clone(), source };
+    let mut file = fs::File::create(&tmp).map_err(err)?;
+    file.write_all(contents.as_bytes()).map_err(err)?;
+    file.sync_all().map_err(err)?;
+    fs::rename(&tmp, &target).map_err(err)?;
+    // The rename itself must survive a power cut too.
+    fs::File::open(state_dir).and_then(|dir| dir.sync_all()).map_err(err)?;
+    Ok(())
+}
+
+/// Reads the checkpoint; `Ok(None)` when there is none.
+pub fn load(state_dir: &Path) -> Result<Option<DesiredState>, CheckpointError> {
+    let path = path(state_dir);
+    let contents = match fs::read_to_string(&path) {
+        Ok(contents) => contents,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+            return Err(CheckpointError::Corrupt { path, reason: "not UTF-8".into() })
+        }
+        Err(source) => return Err(CheckpointError::Read { path, source }),
+    };
+    let (header, payload) = contents.split_once('\n').unwrap_or((&contents, ""));
+    let payload = payload.strip_suffix('\n').unwrap_or(payload);
+    let fields: Vec<&str> = header.split(' ').collect();
+    let expected = match fields.as_slice() {
+        [magic, version, checksum] if *magic == MAGIC && *version == VERSION.to_string() => {
+            u64::from_str_radix(checksum, 16)
+                .map_err(|_| CheckpointError::Corrupt { path: path.clone(), reason: "bad checksum field".into() })?
+        }
+        _ => return Err(CheckpointError::Foreign { path, header: header.chars().take(60).collect() }),
+    };
+    let found = fnv1a64(payload.as_bytes());
+    if found != expected {
+        return Err(CheckpointError::Checksum { path, found, expected });
+    }
+    let entries: Vec<Entry> =
+        serde_json::from_str(payload).map_err(|e| CheckpointError::Corrupt { path: path.clone(), reason: e.to_string() })?;
+    let mut frontends = BTreeMap::new();
+    for entry in entries {
+        let bad = |what: &str| CheckpointError::Corrupt { path: path.clone(), reason: format!("unknown {what}") };
+        let proto = Proto::from_number(entry.protocol).ok_or_else(|| bad("protocol"))?;
+        let scope = Scope::from_number(entry.scope).ok_or_else(|| bad("scope"))?;
+        frontends.insert(
+            Frontend { addr: entry.ip, port: entry.port, proto, scope },
+            FrontendSpec {
+                service: ServicePortName { namespace: entry.namespace, name: entry.name, port: entry.port_name },
+                backends: entry.backends.into_iter().map(|(addr, port)| BackendAddr { addr, port, proto }).collect(),
+            },
+        );
+    }
+    Ok(Some(DesiredState { frontends, rejections: Vec::new() }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> DesiredState {
+        let mut state = DesiredState::default();
+        state.frontends.insert(
+            Frontend { addr: Ipv4Addr::new(10, 96, 0, 10), port: 53, proto: Proto::Udp, scope: Scope::Internal },
+            FrontendSpec {
+                service: ServicePortName { namespace: "kube-system".into(), name: "kube-dns".into(), port: "dns".into() },
+                backends: vec![BackendAddr { addr: Ipv4Addr::new(10, 244, 1, 5), port: 53, proto: Proto::Udp }],
+            },
+        );
+        state
+    }
+
+    fn dir() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("epx-checkpoint-test-{}-{:?}", std::process::id(), std::thread::current().id()));
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn round_trips_and_absent_is_none() {
+        let dir = dir();
+        assert!(load(&dir).unwrap().is_none());
+        save(&dir, &state()).unwrap();
+        assert_eq!(load(&dir).unwrap().unwrap(), state());
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn corrupt_and_foreign_files_are_refused_with_the_reason() {
+        let dir = dir();
+        save(&dir, &state()).unwrap();
+        let good = fs::read_to_string(path(&dir)).unwrap();
+
+        fs::write(path(&dir), good.replace("10.244.1.5", "10.244.1.6")).unwrap();
+        assert!(matches!(load(&dir), Err(CheckpointError::Checksum { .. })));
+
+        fs::write(path(&dir), &good[..good.len() / 2]).unwrap();
+        assert!(load(&dir).is_err());
+
+        fs::write(path(&dir), good.replace("checkpoint 1 ", "checkpoint 2 ")).unwrap();
+        assert!(matches!(load(&dir), Err(CheckpointError::Foreign { .. })));
+
+        fs::write(path(&dir), [0xff, 0xfe, 0x00]).unwrap();
+        assert!(load(&dir).is_err());
+        fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,61 @@
+//! A node that reboots while the API server is down: bpffs comes back empty, and the agent must
+//! bring Service routing back from its own checkpoint.
+
+use std::time::Duration;
+
+use e2e::agent::http_get;
+use e2e::kube_scenario::{KubeEnv, VIP};
+use e2e::probe;
+
+fn healthz(env: &KubeEnv) -> (u16, serde_json::Value) {
+    let (status, body) = http_get(env.agent.healthz_port, "/healthz").expect("healthz");
+    (status, serde_json::from_str(&body).expect("healthz json"))
+}
+
+#[test]
+fn reboot_during_an_api_outage_restores_services_from_the_checkpoint() {
+    let mut env = KubeEnv::new();
+    env.api.stop_apiserver().expect("API down");
+    env.agent.simulate_reboot().expect("reboot");
+    let down = probe::tcp(&env.topo, "client", &format!("{VIP}:80"), 3).expect("probe");
+    assert_eq!(down.ok, 0, "with an empty bpffs nothing translates the VIP: {down:?}");
+
+    env.agent.spawn().expect("agent starts after the reboot");
+    // One second after the agent process started, with no API server, the ClusterIP must answer.
+    std::thread::sleep(Duration::from_secs(1));
+    let summary = probe::tcp(&env.topo, "client", &format!("{VIP}:80"), 50).expect("probe");
+    assert_eq!(summary.failed, 0, "{summary:?}");
+    assert!(summary.answered_by("be1") > 0 && summary.answered_by("be2") > 0, "{summary:?}");
+    assert!(env.agent.log_text().contains("restored it from the checkpoint"), "{}", env.agent.log_text());
+    let (status, body) = healthz(&env);
+    assert_eq!((status, &body["restoredFromCheckpoint"]), (503, &serde_json::json!(true)), "{body}");
+
+    // The API returns: its state replaces the checkpoint's.
+    env.api.start_apiserver().expect("API back");
+    env.agent.wait_healthy(Duration::from_secs(30)).expect("healthy once the API answers");
+    assert_eq!(healthz(&env).1["restoredFromCheckpoint"], false);
+}
+
+#[test]
+fn a_corrupt_checkpoint_is_reported_and_ignored_and_the_api_still_wins() {
+    let mut env = KubeEnv::new();
+    env.api.stop_apiserver().expect("API down");
+    env.agent.simulate_reboot().expect("reboot");
+    let checkpoint = env.agent.state_dir.join("checkpoint.v1");
+    let mut bytes = std::fs::read(&checkpoint).expect("the agent wrote a checkpoint");
+    let last = bytes.len() - 3;
+    bytes[last] ^= 0x01;
+    std::fs::write(&checkpoint, bytes).expect("corrupt it");
+
+    env.agent.spawn().expect("agent");
+    std::thread::sleep(Duration::from_secs(2));
+    let log = env.agent.log_text();
+    assert!(log.contains("ignoring the checkpoint") && log.contains("is corrupt"), "{log}");
+    let untrusted = probe::tcp(&env.topo, "client", &format!("{VIP}:80"), 3).expect("probe");
+    assert_eq!(untrusted.ok, 0, "a corrupt checkpoint must not be used: {untrusted:?}");
+
+    env.api.start_apiserver().expect("API back");
+    env.agent.wait_healthy(Duration::from_secs(30)).expect("healthy once the API answers");
+    let summary = probe::tcp(&env.topo, "client", &format!("{VIP}:80"), 20).expect("probe");
+    assert_eq!(summary.failed, 0, "{summary:?}");
+}
