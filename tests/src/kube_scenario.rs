@@ -55,14 +55,7 @@ pub struct KubeEnv {
 
 impl KubeEnv {
     pub fn new() -> Self {
-        let mut topo = Topology::new().expect("topology");
-        topo.add_pod("client", 2).expect("client");
-        topo.add_pod("be1", 11).expect("be1");
-        topo.add_pod("be2", 12).expect("be2");
-        let servers = vec![
-            probe::serve(&topo, "be1", "be1", &[8080], &[5353]).expect("be1 server"),
-            probe::serve(&topo, "be2", "be2", &[8080], &[5353]).expect("be2 server"),
-        ];
+        let (mut topo, servers) = crate::scenario::client_and_two_backends();
         let api = ControlPlane::start(&mut topo).expect("control plane");
         api.apply(&format!("{}---\n{}", service("web", VIP), slice("web", &["10.244.1.11", "10.244.1.12"])))
             .expect("apply web");

@@ -44,6 +44,20 @@ spec:
     )
 }
 
+/// A node with a client pod (10.244.1.2) and backend pods be1 (.11) and be2 (.12), each backend
+/// answering with its name on TCP 8080 and UDP 5353.
+pub fn client_and_two_backends() -> (Topology, Vec<Server>) {
+    let mut topo = Topology::new().expect("topology");
+    topo.add_pod("client", 2).expect("client pod");
+    topo.add_pod("be1", 11).expect("be1 pod");
+    topo.add_pod("be2", 12).expect("be2 pod");
+    let servers = vec![
+        probe::serve(&topo, "be1", "be1", &[8080], &[5353]).expect("be1 server"),
+        probe::serve(&topo, "be2", "be2", &[8080], &[5353]).expect("be2 server"),
+    ];
+    (topo, servers)
+}
+
 /// A client pod, two backend pods answering "be1"/"be2", and the agent.
 pub struct Env {
     pub agent: Agent,
@@ -54,14 +68,7 @@ pub struct Env {
 
 impl Env {
     pub fn new() -> Self {
-        let mut topo = Topology::new().expect("topology");
-        topo.add_pod("client", 2).expect("client pod");
-        topo.add_pod("be1", 11).expect("be1 pod");
-        topo.add_pod("be2", 12).expect("be2 pod");
-        let servers = vec![
-            probe::serve(&topo, "be1", "be1", &[8080], &[5353]).expect("be1 server"),
-            probe::serve(&topo, "be2", "be2", &[8080], &[5353]).expect("be2 server"),
-        ];
+        let (topo, servers) = client_and_two_backends();
         let dir = AgentDir::new(&topo.id).expect("agent dir");
         dir.write_manifest(&manifest(&["10.244.1.11", "10.244.1.12"])).expect("manifest");
         let agent = Agent::start(&topo, &dir).expect("agent");
