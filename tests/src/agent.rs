@@ -80,15 +80,27 @@ pub struct Agent {
 impl Agent {
     /// Starts the agent for `topology` on `dir`'s manifest and waits until it has synced once.
     pub fn start(topology: &Topology, dir: &AgentDir) -> anyhow::Result<Self> {
-        Self::start_with_source(topology, dir, vec![format!("--source=file:{}", dir.manifest().display())])
+        Self::start_file_with_args(topology, dir, &[])
+    }
+
+    /// As [`Agent::start`], with extra command-line arguments from the first start on.
+    pub fn start_file_with_args(topology: &Topology, dir: &AgentDir, extra_args: &[&str]) -> anyhow::Result<Self> {
+        let source = vec![format!("--source=file:{}", dir.manifest().display())];
+        Self::start_with_source(topology, dir, source, extra_args.iter().map(ToString::to_string).collect())
     }
 
     /// Starts the agent on the Kubernetes API behind `kubeconfig` and waits until it has synced.
     pub fn start_kube(topology: &Topology, dir: &AgentDir, kubeconfig: &Path) -> anyhow::Result<Self> {
-        Self::start_with_source(topology, dir, vec!["--source=kube".into(), format!("--kubeconfig={}", kubeconfig.display())])
+        let source = vec!["--source=kube".into(), format!("--kubeconfig={}", kubeconfig.display())];
+        Self::start_with_source(topology, dir, source, Vec::new())
     }
 
-    fn start_with_source(topology: &Topology, dir: &AgentDir, source_args: Vec<String>) -> anyhow::Result<Self> {
+    fn start_with_source(
+        topology: &Topology,
+        dir: &AgentDir,
+        source_args: Vec<String>,
+        extra_args: Vec<String>,
+    ) -> anyhow::Result<Self> {
         let (healthz_port, metrics_port) = free_ports();
         let mut agent = Self {
             child: None,
@@ -99,7 +111,7 @@ impl Agent {
             log: dir.dir.join("agent.log"),
             state_dir: dir.dir.join("state"),
             source_args,
-            extra_args: Vec::new(),
+            extra_args,
             starts: 0,
         };
         agent.restart()?;
