@@ -175,6 +175,7 @@ impl ControlPlane {
             runtime,
         };
         cp.wait_ready()?;
+        cp.wait_for_kubernetes_service()?;
         eprintln!("control plane ready in {:.1?} at {}", started.elapsed(), cp.url);
         Ok(cp)
     }
@@ -361,6 +362,22 @@ impl ControlPlane {
     }
 
     /// Waits until `/readyz` answers `ok`, failing early (with the logs) if a process exits.
+    /// `/readyz` can answer before the API server's bootstrap controller has created Service
+    /// `default/kubernetes`; a cluster is only complete with it.
+    fn wait_for_kubernetes_service(&self) -> anyhow::Result<()> {
+        let services: Api<k8s_openapi::api::core::v1::Service> = Api::namespaced(self.client.clone(), "default");
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Ok(Some(_)) = self.block_on(services.get_opt("kubernetes")) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("Service default/kubernetes not created after {READY_TIMEOUT:?}\n{}", self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     fn wait_ready(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
