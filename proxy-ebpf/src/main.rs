@@ -4,8 +4,21 @@
 #![no_std]
 #![no_main]
 
+mod ct;
 mod maps;
+mod packet;
+mod reject;
+mod route;
 mod sock;
+mod tc;
+
+/// Rotation applied to random slot picks: 0, except in the build xtask makes with
+/// `EPX_EBPF_VARIANT` set, whose connect/sendmsg programs then differ in code (not in behaviour:
+/// a rotated random number is as random). The upgrade test swaps one build for the other.
+const VARIANT_ROTATE: u32 = match option_env!("EPX_EBPF_VARIANT") {
+    Some(_) => 7,
+    None => 0,
+};
 
 #[cfg(not(test))]
 #[panic_handler]

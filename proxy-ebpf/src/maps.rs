@@ -6,8 +6,8 @@ use aya_ebpf::{
     maps::{HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_abi::{
-    capacity, stat, Backend4, BackendId, RevNat4, RevNatId, RevSock4, RevSockKey4, ServiceKey4,
-    ServiceValue4,
+    capacity, stat, Backend4, BackendId, CtEntry4, CtKey4, IfAddr4, RevNat4, RevNatId, RevSock4,
+    RevSockKey4, ServiceKey4, ServiceValue4,
 };
 
 // The `name` strings must equal `proxy_abi::map_name::*`; the agent looks each one up by that
@@ -28,6 +28,15 @@ pub static REV_SOCK4: LruHashMap<RevSockKey4, RevSock4> =
 
 #[map(name = "epx_stats_v1")]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::pinned(stat::COUNT, 0);
+
+/// Connection tracking of the packet-level datapath: LRU, so a full table forgets the oldest flow
+/// instead of refusing a new one.
+#[map(name = "epx_ct4_v1")]
+pub static CT4: LruHashMap<CtKey4, CtEntry4> = LruHashMap::pinned(capacity::CT4, 0);
+
+/// ifindex -> that interface's IPv4 address, written by the agent when it attaches.
+#[map(name = "epx_ifaddr4_v1")]
+pub static IFADDR4: HashMap<u32, IfAddr4> = HashMap::pinned(capacity::IFADDR4, 0);
 
 #[inline(always)]
 pub fn count(index: u32) {

@@ -96,7 +96,8 @@ fn try_forward(ctx: &SockAddrContext, sa: *mut bpf_sock_addr) -> Result<(), Refu
         return Err(Refusal::NoBackend);
     }
 
-    let slot = (unsafe { bpf_get_prandom_u32() } % u32::from(frontend.count)) as u16 + 1;
+    let random = unsafe { bpf_get_prandom_u32() }.rotate_left(crate::VARIANT_ROTATE);
+    let slot = (random % u32::from(frontend.count)) as u16 + 1;
     key.backend_slot = slot;
     let Some(slot_value) = SERVICES4.get_ptr(&key) else { return Err(Refusal::LookupMiss) };
     let backend_id = unsafe { (*slot_value).backend_id };

@@ -6,15 +6,17 @@ use std::collections::BTreeSet;
 use std::error::Error;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::checkpoint;
 use crate::desired::{self, NodeConfig};
+use crate::healthcheck::{self, HealthCheckServers, ProxyHealth};
 use crate::http::{self, Response};
 use crate::kernel::{self, MapCapacities};
+use crate::metrics::{self, SyncMetrics};
 use crate::reconcile::Reconciler;
 use crate::source::{self, SourceHealth};
 use crate::{AgentArgs, SourceKind};
@@ -24,14 +26,14 @@ use crate::{AgentArgs, SourceKind};
 struct Status {
     /// Unix time of the last successful sync, if any.
     last_synced: Option<f64>,
-    syncs: u64,
-    sync_failures: u64,
-    last_sync_seconds: f64,
-    frontends: usize,
-    backends: usize,
-    rejected_objects: usize,
     /// Serving the checkpoint's state; the source has not confirmed it yet.
     restored_from_checkpoint: bool,
+    /// When the source delivered the oldest change that no sync has fully programmed yet
+    /// (kube-proxy's oldest queued update); `/healthz` fails once it is `--healthz-stale-after` old.
+    oldest_unprogrammed_change: Option<Instant>,
+    /// The first failure of the last sync, while the datapath lacks part of the desired state.
+    datapath_error: Option<String>,
+    metrics: SyncMetrics,
 }
 
 fn now_unix() -> f64 {
@@ -50,18 +52,24 @@ pub fn error_chain(error: &dyn Error) -> String {
 }
 
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
-    if !args.interfaces.is_empty() {
-        tracing::warn!(interfaces = ?args.interfaces, "--interfaces is for the packet-level datapath (NodePort), which this build does not have yet; ignored");
-    }
+    let interfaces = kernel::tc::resolve_interfaces(&args.interfaces).context("listing the node's interfaces")?;
     let cgroup = args.cgroup.clone().context("no cgroup")?;
     let caps = MapCapacities {
         services: args.map_size_services,
         backends: args.map_size_backends,
         rev_nat: args.map_size_rev_nat,
         rev_sock: args.map_size_rev_sock,
+        ct: args.map_size_ct,
     };
     let _lock = take_writer_lock(&args.state_dir).await?;
-    let datapath = kernel::load(&args.bpffs, &cgroup, &caps).context("setting up the datapath")?;
+    let object = match &args.bpf_object {
+        Some(path) => Some(std::fs::read(path).with_context(|| format!("reading --bpf-object {}", path.display()))?),
+        None => None,
+    };
+    let mut datapath =
+        kernel::load(&args.bpffs, &cgroup, &caps, object.as_deref()).context("setting up the datapath")?;
+    kernel::tc::attach(&mut datapath, &args.bpffs, &interfaces, args.tc_attach)
+        .with_context(|| format!("attaching the packet-level programs to {interfaces:?}"))?;
     let mut reconciler = Reconciler::adopt(datapath.maps).context("reading the pinned maps")?;
     tracing::info!(
         bpffs = %args.bpffs.display(),
@@ -76,10 +84,11 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         restore_checkpoint(&args.state_dir, &mut reconciler, &status);
     }
     let source_health = Arc::new(SourceHealth::default());
+    let stale_after = args.healthz_stale_after;
     let _healthz = {
         let status = status.clone();
         let source_health = source_health.clone();
-        http::serve(args.healthz_bind, move |path| healthz(&status, &source_health, path))
+        http::serve(args.healthz_bind, move |path| healthz(&status, &source_health, stale_after, path))
             .await
             .with_context(|| format!("binding --healthz-bind {}", args.healthz_bind))?
     };
@@ -91,8 +100,27 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding --metrics-bind {}", args.metrics_bind))?
     };
+    let mut health_checks = {
+        let status = status.clone();
+        let source_health = source_health.clone();
+        HealthCheckServers::new(Arc::new(move || {
+            proxy_health(&status.lock().expect("status lock"), &source_health, stale_after).healthy
+        }))
+    };
+    let agent_started = SystemTime::now();
+    // The view read last, to tell which objects changed (network programming latency), and the
+    // times of changes not programmed yet.
+    let mut last_view = desired::ClusterState::default();
+    let mut unprogrammed_changes: Vec<SystemTime> = Vec::new();
 
-    let config = NodeConfig { node_name: args.node_name.clone() };
+    let mut config = NodeConfig {
+        node_name: args.node_name.clone(),
+        interface_addresses: Vec::new(),
+        nodeport_addresses: args.nodeport_addresses.clone(),
+    };
+    // The node's addresses are polled too: a change alone (DHCP, a new interface) must move the
+    // NodePorts even when no Kubernetes object changes.
+    let mut address_poll = tokio::time::interval(std::time::Duration::from_secs(2));
     let mut source = match &args.source {
         SourceKind::File(path) => source::file::start(path.clone(), args.poll_interval, source_health),
         SourceKind::Kube => {
@@ -109,10 +137,13 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let mut checkpointed: Option<desired::DesiredState> = None;
     tracing::info!("waiting for a complete view from the source before changing anything");
 
+    // UDP backends of the last computation: a connected UDP socket to one that disappears is aborted.
+    let mut udp_backends = BTreeSet::new();
     loop {
         tokio::select! {
             changed = source.generation.changed() => if changed.is_err() { anyhow::bail!("the source stopped") },
             _ = retry.tick(), if failing => {}
+            _ = address_poll.tick() => if crate::netif::node_addresses().ok().as_ref() == Some(&config.interface_addresses) { continue },
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
@@ -122,10 +153,20 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
 
         let started = Instant::now();
         let snapshot = (source.read)();
+        if let Some(changed_at) = snapshot.changed_at {
+            let received = SystemTime::now().checked_sub(changed_at.elapsed()).unwrap_or(agent_started);
+            unprogrammed_changes.extend(metrics::change_times(&last_view, &snapshot.cluster, received, agent_started));
+            status.lock().expect("status lock").oldest_unprogrammed_change.get_or_insert(changed_at);
+        }
+        match crate::netif::node_addresses() {
+            Ok(addresses) => config.interface_addresses = addresses,
+            Err(error) => tracing::warn!("cannot read the node's addresses, keeping the last ones: {error}"),
+        }
         let desired = desired::compute(&snapshot.cluster, &config);
         let rejections: Vec<_> = snapshot.rejections.iter().chain(&desired.rejections).collect();
         let report = reconciler.reconcile(&desired);
         let elapsed = started.elapsed();
+        abort_udp_sockets_to_gone_backends(&cgroup, &mut udp_backends, &desired);
 
         // Each problem is logged once while it persists, not on every retry.
         let mut current = BTreeSet::new();
@@ -138,20 +179,45 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         for problem in current.difference(&reported) {
             tracing::warn!("{problem}");
         }
+        let new_rejections: Vec<_> =
+            rejections.iter().filter(|r| !reported.contains(&format!("rejected {r}"))).copied().collect();
         reported = current;
         failing = !report.failures.is_empty();
 
+        health_checks.sync(&healthcheck::health_checks(&snapshot.cluster, &args.node_name)).await;
+        last_view = snapshot.cluster;
+
         let mut st = status.lock().expect("status lock");
-        st.frontends = reconciler.programmed_frontends();
-        st.backends = reconciler.programmed_backends();
-        st.rejected_objects = rejections.len();
-        st.last_sync_seconds = elapsed.as_secs_f64();
+        for rejection in new_rejections {
+            st.metrics.count_rejection(rejection);
+        }
+        st.metrics.frontends = reconciler.programmed_frontends();
+        st.metrics.backends = reconciler.programmed_backends();
+        st.metrics.services = metrics::programmed_services(
+            desired.frontends.values().map(|spec| &spec.service),
+            report.failures.iter().map(|f| f.what.as_str()),
+        );
+        st.metrics.rejected_now = rejections.len();
+        st.metrics.health_check_ports = health_checks.open_ports();
+        st.metrics.sync_duration.observe(elapsed.as_secs_f64());
+        st.datapath_error =
+            report.failures.first().map(|f| format!("not programmed: {}: {}", f.what, error_chain(&f.error)));
         if failing {
-            st.sync_failures += 1;
+            st.metrics.sync_failures += 1;
+            // A failed sync leaves the datapath behind even when no source change caused it (the
+            // node's addresses changed): it counts as pending from now on.
+            st.oldest_unprogrammed_change.get_or_insert(started);
         } else {
-            st.syncs += 1;
+            let now = SystemTime::now();
+            st.metrics.syncs += 1;
             st.last_synced = Some(now_unix());
+            st.metrics.last_sync_timestamp = st.last_synced;
             st.restored_from_checkpoint = false;
+            st.oldest_unprogrammed_change = None;
+            for changed in unprogrammed_changes.drain(..) {
+                let latency = now.duration_since(changed).unwrap_or_default();
+                st.metrics.network_programming.observe(latency.as_secs_f64());
+            }
             if checkpointed.as_ref().map(|c| &c.frontends) != Some(&desired.frontends) {
                 match checkpoint::save(&args.state_dir, &desired) {
                     Ok(()) => checkpointed = Some(desired.clone()),
@@ -159,10 +225,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
                 }
             }
         }
-        if report.writes > 0 || failing || st.syncs == 1 {
+        if report.writes > 0 || failing || st.metrics.syncs == 1 {
             tracing::info!(
-                frontends = st.frontends,
-                backends = st.backends,
+                frontends = st.metrics.frontends,
+                backends = st.metrics.backends,
                 writes = report.writes,
                 failures = report.failures.len(),
                 took_ms = format!("{:.2}", elapsed.as_secs_f64() * 1e3),
@@ -172,6 +238,34 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     }
     tracing::info!("stopping; the datapath stays attached and keeps serving the last state (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// Local clients' connected UDP sockets were translated once, at connect(); those whose backend
+/// left the desired state are aborted (in the background) so the clients reconnect to a live one.
+fn abort_udp_sockets_to_gone_backends(
+    cgroup: &std::path::Path,
+    previous: &mut BTreeSet<std::net::SocketAddr>,
+    desired: &desired::DesiredState,
+) {
+    let current: BTreeSet<std::net::SocketAddr> = desired
+        .frontends
+        .values()
+        .flat_map(|spec| &spec.backends)
+        .map(|b| b.addr)
+        .filter(|b| b.proto == desired::Proto::Udp)
+        .map(|b| std::net::SocketAddr::new(b.addr, b.port))
+        .collect();
+    let gone: BTreeSet<_> = previous.difference(&current).copied().collect();
+    *previous = current;
+    if gone.is_empty() {
+        return;
+    }
+    let cgroup = cgroup.to_owned();
+    tokio::task::spawn_blocking(move || match crate::sockdestroy::destroy_udp_connected_to(&cgroup, &gone) {
+        Ok(0) => {}
+        Ok(count) => tracing::info!(sockets = count, backends = ?gone, "aborted connected UDP sockets of removed backends"),
+        Err(error) => tracing::warn!("cannot abort UDP sockets connected to removed backends: {}", error_chain(&error)),
+    });
 }
 
 /// On an empty datapath (a reboot emptied bpffs, or a first start) the last checkpoint is
@@ -226,26 +320,35 @@ async fn take_writer_lock(state_dir: &std::path::Path) -> anyhow::Result<std::fs
     .await?
 }
 
+/// The `/healthz` verdict (also `serviceProxyHealthy` of the healthCheckNodePort answers).
+fn proxy_health(st: &Status, source: &SourceHealth, stale_after: Duration) -> ProxyHealth {
+    let behind = healthcheck::behind_api(st.oldest_unprogrammed_change, Instant::now(), stale_after);
+    healthcheck::proxy_health(st.last_synced.is_some(), source.failing().map(|(since, _)| since.elapsed()), behind)
+}
+
 /// `/livez`: the process runs (the datapath does not depend on it anyway).
 /// `/healthz`: 200 once the datapath was programmed from a complete view and the source can
-/// confirm that view is current; 503 before the first sync and while the source is failing
-/// (`"stale": true`: the datapath serves the last known state).
-fn healthz(status: &Mutex<Status>, source: &SourceHealth, path: &str) -> Response {
-    let st = status.lock().expect("status lock");
+/// confirm that view is current; 503 before the first sync, while the source is failing, and
+/// when an API change has not reached the datapath within `--healthz-stale-after` (e.g. a full
+/// map); `"stale": true` says the datapath serves an older state than the API's.
+fn healthz(status: &Mutex<Status>, source: &SourceHealth, stale_after: Duration, path: &str) -> Response {
     match path {
         "/livez" => Response::text(200, "ok"),
         "/healthz" => {
-            let failing = source.failing();
+            let st = status.lock().expect("status lock");
+            let health = proxy_health(&st, source, stale_after);
             let body = serde_json::json!({
                 "lastUpdated": st.last_synced,
                 "currentTime": now_unix(),
-                "stale": failing.is_some(),
-                "staleSeconds": failing.as_ref().map(|(since, _)| since.elapsed().as_secs_f64()),
-                "sourceError": failing.as_ref().map(|(_, error)| error.clone()),
+                "stale": health.stale,
+                "staleSeconds": health.stale_for.map(|d| d.as_secs_f64()),
+                "sourceError": source.failing().map(|(_, error)| error),
+                "pendingChangeSeconds": st.oldest_unprogrammed_change.map(|t| t.elapsed().as_secs_f64()),
+                "staleAfterSeconds": stale_after.as_secs_f64(),
+                "datapathError": st.datapath_error,
                 "restoredFromCheckpoint": st.restored_from_checkpoint,
             });
-            let healthy = st.last_synced.is_some() && failing.is_none();
-            Response::json(if healthy { 200 } else { 503 }, body.to_string())
+            Response::json(if health.healthy { 200 } else { 503 }, body.to_string())
         }
         _ => Response::text(404, "not found"),
     }
@@ -255,26 +358,8 @@ fn metrics(status: &Mutex<Status>, source: &SourceHealth, bpffs: &std::path::Pat
     if path != "/metrics" {
         return Response::text(404, "not found");
     }
-    let mut out = String::new();
-    {
-        let st = status.lock().expect("status lock");
-        let mut gauge = |name: &str, help: &str, kind: &str, value: f64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
-        };
-        gauge("ebpf_proxy_sync_total", "Successful syncs of the datapath.", "counter", st.syncs as f64);
-        gauge("ebpf_proxy_sync_failures_total", "Syncs with a frontend that could not be programmed.", "counter", st.sync_failures as f64);
-        gauge("ebpf_proxy_last_sync_duration_seconds", "Duration of the last sync.", "gauge", st.last_sync_seconds);
-        gauge("ebpf_proxy_last_sync_timestamp_seconds", "Unix time of the last successful sync.", "gauge", st.last_synced.unwrap_or(0.0));
-        gauge("ebpf_proxy_frontends_programmed", "Frontends (VIP, port, protocol) in the datapath.", "gauge", st.frontends as f64);
-        gauge("ebpf_proxy_backends_programmed", "Backends in the datapath.", "gauge", st.backends as f64);
-        gauge("ebpf_proxy_source_up", "1 while the source (API or file) answers, 0 during an outage.", "gauge", if source.failing().is_some() { 0.0 } else { 1.0 });
-        gauge("ebpf_proxy_rejected_objects", "Objects or parts of objects rejected in the last sync.", "gauge", st.rejected_objects as f64);
-    }
-    if let Ok(counters) = kernel::read_counters(bpffs) {
-        let _ = writeln!(out, "# HELP ebpf_proxy_datapath_events_total Datapath verdicts by kind.\n# TYPE ebpf_proxy_datapath_events_total counter");
-        for (value, name) in counters.into_iter().zip(proxy_abi::stat::NAMES) {
-            let _ = writeln!(out, "ebpf_proxy_datapath_events_total{{kind=\"{name}\"}} {value}");
-        }
-    }
-    Response { status: 200, content_type: "text/plain; version=0.0.4", body: out }
+    // The stats map is read before taking the lock the agent loop needs.
+    let counters = kernel::read_counters(bpffs).ok();
+    let body = metrics::render(&status.lock().expect("status lock").metrics, source.failing().is_none(), counters.as_deref());
+    Response { status: 200, content_type: metrics::CONTENT_TYPE, body }
 }

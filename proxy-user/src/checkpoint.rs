@@ -5,19 +5,30 @@
 //! Written after every successful sync: atomically (temp file, fsync, rename), versioned, and
 //! checksummed. A checkpoint that is corrupt, of another format, or of another version is
 //! reported and ignored, never trusted.
+//!
+//! Format versions (in the header): 1 had ClusterIP frontends only; 2 adds the frontend kind,
+//! the traffic-policy and affinity settings, backend locality, and IPv6 addresses. Version 1 is
+//! still read (its entries are ClusterIPs without those settings, exactly what an agent of
+//! that version programmed), so a newer agent restores an older one's checkpoint; an older agent
+//! refuses version 2 as foreign instead of misreading it. The file name stays the same across
+//! versions for that reason.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io::Write;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::desired::{BackendAddr, DesiredState, Frontend, FrontendSpec, Proto, Scope, ServicePortName};
+use crate::desired::{
+    Backend, BackendAddr, DesiredState, Frontend, FrontendKind, FrontendSpec, Proto, Scope, ServicePortName,
+};
 
 const MAGIC: &str = "ebpf-proxy-checkpoint";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
+/// Versions `load` understands.
+const READABLE_VERSIONS: [u32; 2] = [1, 2];
 pub const FILE_NAME: &str = "checkpoint.v1";
 
 #[derive(Debug, thiserror::Error)]
@@ -34,7 +45,7 @@ pub enum CheckpointError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path} is not an ebpf-proxy checkpoint of format {VERSION} (header {header:?})")]
+    #[error("{path} is not an ebpf-proxy checkpoint of format 1 or {VERSION} (header {header:?})")]
     Foreign { path: PathBuf, header: String },
     #[error("{path} is corrupt: checksum {found:016x}, header says {expected:016x}")]
     Checksum { path: PathBuf, found: u64, expected: u64 },
@@ -42,16 +53,26 @@ pub enum CheckpointError {
     Corrupt { path: PathBuf, reason: String },
 }
 
+/// One frontend entry. Fields added after format 1 default to what format 1 meant.
 #[derive(Serialize, Deserialize, PartialEq, Debug)]
 struct Entry {
-    ip: Ipv4Addr,
+    ip: IpAddr,
     port: u16,
     protocol: u8,
     scope: u8,
     namespace: String,
     name: String,
     port_name: String,
-    backends: Vec<(Ipv4Addr, u16)>,
+    backends: Vec<(IpAddr, u16)>,
+    #[serde(default)]
+    kind: FrontendKind,
+    #[serde(default)]
+    local_only: bool,
+    #[serde(default)]
+    affinity_timeout: Option<u32>,
+    /// The backends (of `backends`) whose endpoint runs on this node.
+    #[serde(default)]
+    local_backends: Vec<(IpAddr, u16)>,
 }
 
 /// FNV-1a, 64 bit: detects torn or edited files; this is not a defence against tampering (the
@@ -77,7 +98,11 @@ pub fn save(state_dir: &Path, state: &DesiredState) -> Result<(), CheckpointErro
             namespace: spec.service.namespace.clone(),
             name: spec.service.name.clone(),
             port_name: spec.service.port.clone(),
-            backends: spec.backends.iter().map(|b| (b.addr, b.port)).collect(),
+            backends: spec.backends.iter().map(|b| (b.addr.addr, b.addr.port)).collect(),
+            kind: spec.kind,
+            local_only: spec.local_only,
+            affinity_timeout: spec.affinity_timeout,
+            local_backends: spec.backends.iter().filter(|b| b.local).map(|b| (b.addr.addr, b.addr.port)).collect(),
         })
         .collect();
     let payload = serde_json::to_string(&entries).expect("checkpoint entries serialise");
@@ -109,7 +134,9 @@ pub fn load(state_dir: &Path) -> Result<Option<DesiredState>, CheckpointError> {
     let payload = payload.strip_suffix('\n').unwrap_or(payload);
     let fields: Vec<&str> = header.split(' ').collect();
     let expected = match fields.as_slice() {
-        [magic, version, checksum] if *magic == MAGIC && *version == VERSION.to_string() => {
+        [magic, version, checksum]
+            if *magic == MAGIC && READABLE_VERSIONS.iter().any(|v| v.to_string() == *version) =>
+        {
             u64::from_str_radix(checksum, 16)
                 .map_err(|_| CheckpointError::Corrupt { path: path.clone(), reason: "bad checksum field".into() })?
         }
@@ -126,11 +153,22 @@ pub fn load(state_dir: &Path) -> Result<Option<DesiredState>, CheckpointError> {
         let bad = |what: &str| CheckpointError::Corrupt { path: path.clone(), reason: format!("unknown {what}") };
         let proto = Proto::from_number(entry.protocol).ok_or_else(|| bad("protocol"))?;
         let scope = Scope::from_number(entry.scope).ok_or_else(|| bad("scope"))?;
+        let local: BTreeSet<(IpAddr, u16)> = entry.local_backends.into_iter().collect();
         frontends.insert(
             Frontend { addr: entry.ip, port: entry.port, proto, scope },
             FrontendSpec {
                 service: ServicePortName { namespace: entry.namespace, name: entry.name, port: entry.port_name },
-                backends: entry.backends.into_iter().map(|(addr, port)| BackendAddr { addr, port, proto }).collect(),
+                kind: entry.kind,
+                local_only: entry.local_only,
+                affinity_timeout: entry.affinity_timeout,
+                backends: entry
+                    .backends
+                    .into_iter()
+                    .map(|(addr, port)| Backend {
+                        addr: BackendAddr { addr, port, proto },
+                        local: local.contains(&(addr, port)),
+                    })
+                    .collect(),
             },
         );
     }
@@ -142,14 +180,29 @@ mod tests {
     use super::*;
 
     fn state() -> DesiredState {
+        let backend = |addr: &str, local| Backend {
+            addr: BackendAddr { addr: addr.parse().unwrap(), port: 53, proto: Proto::Udp },
+            local,
+        };
+        let entry = |addr: &str, port, scope, kind, local_only, affinity_timeout, backends| {
+            let frontend = Frontend { addr: addr.parse().unwrap(), port, proto: Proto::Udp, scope };
+            let service = ServicePortName { namespace: "kube-system".into(), name: "kube-dns".into(), port: "dns".into() };
+            (frontend, FrontendSpec { service, kind, local_only, affinity_timeout, backends })
+        };
         let mut state = DesiredState::default();
-        state.frontends.insert(
-            Frontend { addr: Ipv4Addr::new(10, 96, 0, 10), port: 53, proto: Proto::Udp, scope: Scope::Internal },
-            FrontendSpec {
-                service: ServicePortName { namespace: "kube-system".into(), name: "kube-dns".into(), port: "dns".into() },
-                backends: vec![BackendAddr { addr: Ipv4Addr::new(10, 244, 1, 5), port: 53, proto: Proto::Udp }],
-            },
-        );
+        state.frontends.extend([
+            entry("10.96.0.10", 53, Scope::Internal, FrontendKind::ClusterIp, false, None, vec![backend("10.244.1.5", false)]),
+            entry(
+                "10.244.1.1",
+                30053,
+                Scope::External,
+                FrontendKind::NodePort,
+                true,
+                Some(600),
+                vec![backend("10.244.1.5", false), backend("10.244.1.6", true)],
+            ),
+            entry("fd00::10", 53, Scope::Internal, FrontendKind::ClusterIp, false, None, vec![backend("fd00:10:244::5", false)]),
+        ]);
         state
     }
 
@@ -180,11 +233,22 @@ mod tests {
         fs::write(path(&dir), &good[..good.len() / 2]).unwrap();
         assert!(load(&dir).is_err());
 
-        fs::write(path(&dir), good.replace("checkpoint 1 ", "checkpoint 2 ")).unwrap();
+        fs::write(path(&dir), good.replace("checkpoint 2 ", "checkpoint 3 ")).unwrap();
         assert!(matches!(load(&dir), Err(CheckpointError::Foreign { .. })));
 
         fs::write(path(&dir), [0xff, 0xfe, 0x00]).unwrap();
         assert!(load(&dir).is_err());
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_format_1_checkpoint_is_still_restored_as_the_cluster_ips_it_held() {
+        let dir = dir();
+        let payload = r#"[{"ip":"10.96.0.10","port":53,"protocol":17,"scope":1,"namespace":"kube-system","name":"kube-dns","port_name":"dns","backends":[["10.244.1.5",53]]}]"#;
+        fs::write(path(&dir), format!("{MAGIC} 1 {:016x}\n{payload}\n", fnv1a64(payload.as_bytes()))).unwrap();
+        let mut expected = state();
+        expected.frontends.retain(|f, _| f.port == 53 && f.addr.is_ipv4());
+        assert_eq!(load(&dir).unwrap().unwrap(), expected);
         fs::remove_dir_all(dir).unwrap();
     }
 }

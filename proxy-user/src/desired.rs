@@ -2,16 +2,28 @@
 //!
 //! (Services, EndpointSlices, Node, config) -> frontends and their backends. No I/O and no map
 //! knowledge: this module owns the Kubernetes semantics (which objects count, which endpoints are
-//! usable, how ports resolve), and the reconciler turns its output into map writes.
+//! usable for which traffic, how ports resolve, which frontend wins a collision), and the
+//! reconciler turns its output into map writes.
+//!
+//! Every frontend address gets two entries: `Scope::Internal`, used for traffic from this node's
+//! own sockets (pods and the node itself, through the socket hooks), and `Scope::External`, for
+//! traffic arriving from outside the node (the packet-level programs). They differ only when a
+//! traffic policy makes them differ.
+
+mod endpoints;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use serde::{Deserialize, Serialize};
 
-use crate::ipparse::parse_ip_sloppy;
+use crate::ipparse::{parse_ip_sloppy, Cidr};
+use endpoints::{categorize, merge_slices, Categorized, NodeView, ServiceEndpoints};
 
 /// Label tying an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -19,6 +31,11 @@ pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 /// Services with this label are treated as headless.
 pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+/// The Node label topology hints are matched against.
+pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+/// `sessionAffinityConfig.clientIP.timeoutSeconds` when unset (the API's default), and its maximum.
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
+pub const MAX_AFFINITY_TIMEOUT: u32 = 86_400;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Proto {
@@ -60,6 +77,30 @@ impl fmt::Display for Proto {
     }
 }
 
+/// IP family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub fn of(addr: IpAddr) -> Self {
+        if addr.is_ipv4() {
+            Self::V4
+        } else {
+            Self::V6
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::V4 => "IPv4",
+            Self::V6 => "IPv6",
+        }
+    }
+}
+
 /// Which traffic a frontend entry serves. The socket hooks look up `Internal` entries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Scope {
@@ -82,12 +123,19 @@ impl Scope {
             _ => None,
         }
     }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::External => "external",
+            Self::Internal => "internal",
+        }
+    }
 }
 
-/// What a client addresses: (VIP, port, protocol) in a scope.
+/// What a client addresses: (address, port, protocol) in a scope.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Frontend {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub proto: Proto,
     pub scope: Scope,
@@ -95,21 +143,64 @@ pub struct Frontend {
 
 impl fmt::Display for Frontend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.addr, self.port, self.proto)
+        write!(f, "{}/{}", SocketText(self.addr, self.port), self.proto)
+    }
+}
+
+/// `a.b.c.d:port` or `[v6]:port`.
+struct SocketText(IpAddr, u16);
+
+impl fmt::Display for SocketText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", std::net::SocketAddr::new(self.0, self.1))
     }
 }
 
 /// Where a frontend's traffic goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BackendAddr {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub proto: Proto,
 }
 
 impl fmt::Display for BackendAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.addr, self.port, self.proto)
+        write!(f, "{}/{}", SocketText(self.addr, self.port), self.proto)
+    }
+}
+
+/// A backend of one frontend, and whether its endpoint runs on this node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Backend {
+    pub addr: BackendAddr,
+    /// The endpoint's `nodeName` is this node.
+    pub local: bool,
+}
+
+/// What made an address a frontend of a Service.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum FrontendKind {
+    #[default]
+    #[serde(rename = "ClusterIP")]
+    ClusterIp,
+    /// `nodePort` on one of the node's addresses.
+    NodePort,
+    /// One of `spec.externalIPs`.
+    #[serde(rename = "ExternalIP")]
+    ExternalIp,
+    /// One of `status.loadBalancer.ingress[].ip` (VIP mode).
+    LoadBalancer,
+}
+
+impl FrontendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ClusterIp => "clusterIP",
+            Self::NodePort => "nodePort",
+            Self::ExternalIp => "externalIP",
+            Self::LoadBalancer => "loadBalancer IP",
+        }
     }
 }
 
@@ -131,12 +222,18 @@ impl fmt::Display for ServicePortName {
     }
 }
 
-/// One frontend's target state.
+/// One frontend entry's target state.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FrontendSpec {
     pub service: ServicePortName,
-    /// Usable backends, sorted and without duplicates. Empty means "reject".
-    pub backends: Vec<BackendAddr>,
+    pub kind: FrontendKind,
+    /// A `Local` traffic policy limits this entry to node-local endpoints.
+    pub local_only: bool,
+    /// `sessionAffinity: ClientIP` with this timeout in seconds.
+    pub affinity_timeout: Option<u32>,
+    /// Usable backends, sorted and without duplicates. Empty means "reject" (or, with
+    /// `local_only`, "drop": kube-proxy drops traffic for a Local policy without local endpoints).
+    pub backends: Vec<Backend>,
 }
 
 /// An object (or part of one) that was not programmed, and why. Reported once per change.
@@ -159,12 +256,49 @@ pub struct DesiredState {
     pub rejections: Vec<Rejection>,
 }
 
+/// `--nodeport-addresses`: which node addresses get NodePort frontends.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum NodePortAddresses {
+    /// Every address of the node's interfaces (kube-proxy's iptables and ipvs default).
+    #[default]
+    All,
+    /// The node's addresses inside one of these networks.
+    Cidrs(Vec<Cidr>),
+    /// The Node object's primary addresses (first InternalIP, else ExternalIP, of each family)
+    /// that are also on an interface: kube-proxy's `primary`, the nftables mode's default.
+    Primary,
+}
+
+impl NodePortAddresses {
+    /// Parses the flag's value: comma-separated CIDRs, or `primary` alone (as kube-proxy's
+    /// validation demands). The error names the item that is wrong.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let items: Vec<&str> = text.split(',').map(str::trim).filter(|item| !item.is_empty()).collect();
+        match items.as_slice() {
+            [] => Ok(Self::All),
+            ["primary"] => Ok(Self::Primary),
+            _ => items
+                .iter()
+                .map(|item| match *item {
+                    "primary" => Err("\"primary\" cannot be combined with CIDRs".to_owned()),
+                    _ => Cidr::parse(item).ok_or_else(|| format!("invalid CIDR {item:?}")),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Self::Cidrs),
+        }
+    }
+}
+
 /// Node-level settings that shape the desired state.
 #[derive(Clone, Debug, Default)]
 pub struct NodeConfig {
-    // Read by node-local endpoint selection (traffic policies), next in line.
-    #[allow(dead_code)]
+    /// Endpoints whose `nodeName` equals it are local.
     pub node_name: String,
+    /// Addresses of the node's interfaces (loopback and IPv6 link-local left out), as read just
+    /// before this computation: NodePorts live on them, and their families are the ones this
+    /// node can serve.
+    pub interface_addresses: Vec<IpAddr>,
+    pub nodeport_addresses: NodePortAddresses,
 }
 
 /// The cluster objects one computation works from.
@@ -175,84 +309,308 @@ pub struct ClusterState {
     pub node: Option<Node>,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
-struct EndpointConditions {
-    ready: bool,
-    serving: bool,
-    terminating: bool,
-}
-
-/// One endpoint for one Service port after merging all slices.
-#[derive(Clone, Copy, Debug)]
-struct MergedEndpoint {
-    conditions: EndpointConditions,
-}
-
 type PortKey = (String, Proto);
 
+/// One frontend address of one Service port, before collisions are settled.
+struct Candidate {
+    addr: IpAddr,
+    port: u16,
+    proto: Proto,
+    kind: FrontendKind,
+    service: ServicePortName,
+    affinity_timeout: Option<u32>,
+    /// (backends, local_only) for the internal and the external entry.
+    internal: (Vec<Backend>, bool),
+    external: (Vec<Backend>, bool),
+}
+
+impl Candidate {
+    /// Settling order: ClusterIPs and NodePorts first, so an externalIP or LoadBalancer IP can
+    /// never take over a ClusterIP or a NodePort (CVE-2020-8554), whatever the Services' names.
+    fn phase(&self) -> u8 {
+        match self.kind {
+            FrontendKind::ClusterIp | FrontendKind::NodePort => 0,
+            FrontendKind::ExternalIp | FrontendKind::LoadBalancer => 1,
+        }
+    }
+}
+
 /// Computes what the datapath should hold. Pure: same input, same output.
-pub fn compute(cluster: &ClusterState, _config: &NodeConfig) -> DesiredState {
+pub fn compute(cluster: &ClusterState, config: &NodeConfig) -> DesiredState {
     let mut state = DesiredState::default();
-    let endpoints = merge_slices(&cluster.slices, &mut state.rejections);
+    let merged = merge_slices(&cluster.slices, &mut state.rejections);
 
     let mut services: Vec<&Service> = cluster.services.iter().collect();
     // Deterministic order, so the winner of a frontend collision does not depend on list order.
-    services.sort_by(|a, b| object_name(&a.metadata).cmp(&object_name(&b.metadata)));
+    services.sort_by_key(|service| object_name(&service.metadata));
 
+    let existing: BTreeSet<(String, String)> = services.iter().map(|s| object_name(&s.metadata)).collect();
+    for (service, slices) in &merged.slice_names {
+        if !existing.contains(service) {
+            for slice in slices {
+                state.rejections.push(Rejection {
+                    object: format!("EndpointSlice {}/{slice}", service.0),
+                    reason: format!("its Service {}/{} does not exist", service.0, service.1),
+                });
+            }
+        }
+    }
+
+    let own_node = cluster.node.as_ref().filter(|node| node.metadata.name.as_deref() == Some(config.node_name.as_str()));
+    let node = ThisNode {
+        name: &config.node_name,
+        zone: own_node.and_then(|n| n.metadata.labels.as_ref()).and_then(|l| l.get(LABEL_ZONE)).map(String::as_str),
+        addresses: &config.interface_addresses,
+        nodeport_addresses: nodeport_addresses(config, own_node),
+    };
+
+    let mut candidates = Vec::new();
     for service in services {
         let (namespace, name) = object_name(&service.metadata);
+        let service_endpoints = merged.by_service.get(&(namespace.clone(), name.clone()));
+        let mut service_rejections = Vec::new();
+        service_candidates(service, service_endpoints, &node, &mut candidates, &mut service_rejections);
         let object = format!("Service {namespace}/{name}");
-        let Some(spec) = &service.spec else { continue };
-        if is_ignored(service) {
+        state.rejections.extend(service_rejections.into_iter().map(|reason| Rejection { object: object.clone(), reason }));
+    }
+
+    candidates.sort_by_key(|(_, candidate)| candidate.phase());
+    for (object, candidate) in candidates {
+        let internal = Frontend { addr: candidate.addr, port: candidate.port, proto: candidate.proto, scope: Scope::Internal };
+        if let Some(owner) = state.frontends.get(&internal) {
+            state.rejections.push(Rejection {
+                object,
+                reason: format!(
+                    "{} {internal} of port {:?} is already used by Service {} as its {}",
+                    candidate.kind.name(),
+                    candidate.service.port,
+                    owner.service,
+                    owner.kind.name()
+                ),
+            });
             continue;
         }
-        let vips = match cluster_ips(service) {
-            Ok(vips) => vips,
-            Err(reason) => {
-                state.rejections.push(Rejection { object, reason });
-                continue;
-            }
-        };
-        let service_endpoints = endpoints.get(&(namespace.clone(), name.clone()));
-        for port in spec.ports.iter().flatten() {
-            let (port_key, frontend_port) = match service_port(port) {
-                Ok(resolved) => resolved,
-                Err(reason) => {
-                    state.rejections.push(Rejection { object: object.clone(), reason });
-                    continue;
-                }
-            };
-            let backends =
-                usable_backends(service_endpoints.and_then(|eps| eps.get(&port_key)), port_key.1);
-            let service_port_name = ServicePortName {
-                namespace: namespace.clone(),
-                name: name.clone(),
-                port: port_key.0.clone(),
-            };
-            for vip in &vips {
-                let frontend = Frontend {
-                    addr: *vip,
-                    port: frontend_port,
-                    proto: port_key.1,
-                    scope: Scope::Internal,
-                };
-                if let Some(owner) = state.frontends.get(&frontend) {
-                    state.rejections.push(Rejection {
-                        object: object.clone(),
-                        reason: format!("{frontend} is already used by {}", owner.service),
-                    });
-                    continue;
-                }
-                state.frontends.insert(
-                    frontend,
-                    FrontendSpec { service: service_port_name.clone(), backends: backends.clone() },
-                );
-            }
+        for (scope, (backends, local_only)) in [(Scope::Internal, candidate.internal), (Scope::External, candidate.external)] {
+            state.frontends.insert(
+                Frontend { scope, ..internal },
+                FrontendSpec {
+                    service: candidate.service.clone(),
+                    kind: candidate.kind,
+                    local_only,
+                    affinity_timeout: candidate.affinity_timeout,
+                    backends,
+                },
+            );
         }
     }
     state.rejections.sort();
     state.rejections.dedup();
     state
+}
+
+/// What this node is, as the computation needs it.
+struct ThisNode<'a> {
+    name: &'a str,
+    zone: Option<&'a str>,
+    /// Every interface address: decides the families this node has, and which addresses a
+    /// Service may never take as an external or LoadBalancer IP.
+    addresses: &'a [IpAddr],
+    /// The subset that gets NodePorts.
+    nodeport_addresses: Vec<IpAddr>,
+}
+
+impl ThisNode<'_> {
+    /// Whether the node has an address of `family`. With no address known at all (none could be
+    /// read, or a namespace without any) no family is skipped: dropping every Service for want
+    /// of an address would be worse than programming a family the node may not use.
+    fn has_family(&self, family: Family) -> bool {
+        self.addresses.is_empty() || self.addresses.iter().any(|a| Family::of(*a) == family)
+    }
+}
+
+/// kube-proxy `NodePortAddresses.GetNodeIPs` (pkg/proxy/util/nodeport_addresses.go): the
+/// interface addresses inside the configured CIDRs; `primary` is turned into the node IPs' /32
+/// and /128 first (cmd/kube-proxy/app/server.go).
+fn nodeport_addresses(config: &NodeConfig, node: Option<&Node>) -> Vec<IpAddr> {
+    let on_interfaces = |wanted: &dyn Fn(IpAddr) -> bool| -> Vec<IpAddr> {
+        let mut addrs: Vec<IpAddr> = config.interface_addresses.iter().copied().filter(|a| wanted(*a)).collect();
+        addrs.sort();
+        addrs.dedup();
+        addrs
+    };
+    match &config.nodeport_addresses {
+        NodePortAddresses::All => on_interfaces(&|_| true),
+        NodePortAddresses::Cidrs(cidrs) => on_interfaces(&|a| cidrs.iter().any(|c| c.contains(a))),
+        NodePortAddresses::Primary => {
+            let primary = primary_node_ips(node);
+            on_interfaces(&|a| primary.contains(&a))
+        }
+    }
+}
+
+/// `GetNodeHostIPs`: InternalIPs before ExternalIPs; the first address, plus the first of the
+/// other family.
+fn primary_node_ips(node: Option<&Node>) -> Vec<IpAddr> {
+    let addresses = node.and_then(|n| n.status.as_ref()).and_then(|s| s.addresses.as_ref());
+    let of_type = |kind: &'static str| {
+        addresses.into_iter().flatten().filter(move |a| a.type_ == kind).filter_map(|a| parse_ip_sloppy(&a.address))
+    };
+    let mut all = of_type("InternalIP").chain(of_type("ExternalIP"));
+    let Some(first) = all.next() else { return Vec::new() };
+    let mut ips = vec![first];
+    ips.extend(all.find(|ip| Family::of(*ip) != Family::of(first)));
+    ips
+}
+
+/// Appends the frontend candidates of one Service; problems are pushed as reasons.
+fn service_candidates(
+    service: &Service,
+    endpoints: Option<&ServiceEndpoints>,
+    node: &ThisNode<'_>,
+    candidates: &mut Vec<(String, Candidate)>,
+    problems: &mut Vec<String>,
+) {
+    if is_ignored(service) {
+        return;
+    }
+    let Some(spec) = &service.spec else { return };
+    let (namespace, name) = object_name(&service.metadata);
+    let object = format!("Service {namespace}/{name}");
+
+    let mut families = Vec::new();
+    for text in cluster_ip_texts(service) {
+        match parse_ip_sloppy(text) {
+            Some(ip) if node.has_family(Family::of(ip)) => families.push((Family::of(ip), ip)),
+            Some(ip) => problems.push(format!(
+                "clusterIP {ip} skipped: this node has no address of family {}",
+                Family::of(ip).name()
+            )),
+            None => {
+                problems.push(format!("invalid clusterIP {text:?}"));
+                return;
+            }
+        }
+    }
+
+    let external_ips = external_addresses(
+        spec.external_ips.iter().flatten().map(String::as_str),
+        FrontendKind::ExternalIp,
+        &families,
+        node,
+        problems,
+    );
+    // kube-proxy programs only VIP-mode ingress IPs; `ipMode: Proxy` means the load balancer
+    // proxies and traffic must reach it (pkg/proxy/serviceport.go `newBaseServiceInfo`).
+    let ingress = service.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|lb| lb.ingress.as_ref());
+    let lb_ips = external_addresses(
+        ingress
+            .into_iter()
+            .flatten()
+            .filter(|i| i.ip_mode.as_deref().is_none_or(|mode| mode == "VIP"))
+            .filter_map(|i| i.ip.as_deref()),
+        FrontendKind::LoadBalancer,
+        &families,
+        node,
+        problems,
+    );
+
+    let affinity_timeout = affinity_timeout(spec, problems);
+    let internal_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let external_local = spec.external_traffic_policy.as_deref() == Some("Local");
+    let node_view = NodeView { node_name: node.name, zone: node.zone };
+
+    for port in spec.ports.iter().flatten() {
+        let (port_key, frontend_port) = match service_port(port) {
+            Ok(resolved) => resolved,
+            Err(reason) => {
+                problems.push(reason);
+                continue;
+            }
+        };
+        let node_port = match node_port(spec.type_.as_deref(), port) {
+            Ok(node_port) => node_port,
+            Err(reason) => {
+                problems.push(reason);
+                None
+            }
+        };
+        let service_port_name = ServicePortName { namespace: namespace.clone(), name: name.clone(), port: port_key.0.clone() };
+        let port_endpoints = endpoints.and_then(|eps| eps.get(&port_key));
+        for (family, cluster_ip) in &families {
+            let Categorized { cluster, local } = categorize(
+                port_endpoints.into_iter().flat_map(|eps| eps.values()).filter(|e| Family::of(e.addr) == *family),
+                port_key.1,
+                &node_view,
+            );
+            let internal_set = if internal_local { (local.clone(), true) } else { (cluster.clone(), false) };
+            // Traffic from pods and from the node itself to an external frontend goes to every
+            // endpoint even with `externalTrafficPolicy: Local`: kube-proxy's iptables proxier
+            // sends it to the cluster chain ("pod traffic for ... external destinations" and
+            // "route LOCAL traffic for ... external destinations" rules, pkg/proxy/iptables/proxier.go),
+            // as does nftables. Only traffic from outside the node is held to local endpoints.
+            let external_set = if external_local { (local, true) } else { (cluster.clone(), false) };
+            let mut add = |addr: IpAddr, port: u16, kind: FrontendKind| {
+                let (internal, external) = match kind {
+                    FrontendKind::ClusterIp => (internal_set.clone(), internal_set.clone()),
+                    _ => ((cluster.clone(), false), external_set.clone()),
+                };
+                candidates.push((
+                    object.clone(),
+                    Candidate {
+                        addr,
+                        port,
+                        proto: port_key.1,
+                        kind,
+                        service: service_port_name.clone(),
+                        affinity_timeout,
+                        internal,
+                        external,
+                    },
+                ));
+            };
+            add(*cluster_ip, frontend_port, FrontendKind::ClusterIp);
+            if let Some(node_port) = node_port {
+                for addr in node.nodeport_addresses.iter().filter(|a| Family::of(**a) == *family) {
+                    add(*addr, node_port, FrontendKind::NodePort);
+                }
+            }
+            for (addr, kind) in external_ips.iter().chain(&lb_ips).filter(|(a, _)| Family::of(*a) == *family) {
+                add(*addr, frontend_port, *kind);
+            }
+        }
+    }
+}
+
+/// Parses external or LoadBalancer IPs; drops (and reports) invalid ones, ones of a family the
+/// Service does not serve here, and node addresses (never taken over by a Service).
+fn external_addresses<'a>(
+    texts: impl Iterator<Item = &'a str>,
+    kind: FrontendKind,
+    families: &[(Family, IpAddr)],
+    node: &ThisNode<'_>,
+    problems: &mut Vec<String>,
+) -> Vec<(IpAddr, FrontendKind)> {
+    let mut addrs = Vec::new();
+    for text in texts {
+        let Some(addr) = parse_ip_sloppy(text) else {
+            problems.push(format!("invalid {} {text:?}", kind.name()));
+            continue;
+        };
+        let family = Family::of(addr);
+        if node.addresses.contains(&addr) {
+            problems.push(format!(
+                "{} {addr} would hijack an address of this node; node addresses are never given to a Service",
+                kind.name()
+            ));
+        } else if !node.has_family(family) {
+            problems.push(format!("{} {addr} skipped: this node has no address of family {}", kind.name(), family.name()));
+        } else if !families.iter().any(|(f, _)| *f == family) {
+            problems.push(format!("{} {addr} skipped: the Service has no clusterIP of family {}", kind.name(), family.name()));
+        } else if !addrs.contains(&(addr, kind)) {
+            addrs.push((addr, kind));
+        }
+    }
+    addrs
 }
 
 fn object_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> (String, String) {
@@ -277,23 +635,13 @@ fn is_ignored(service: &Service) -> bool {
     matches!(spec.cluster_ip.as_deref(), None | Some("") | Some("None"))
 }
 
-/// The Service's IPv4 cluster IPs (`clusterIPs`, falling back to `clusterIP`).
-fn cluster_ips(service: &Service) -> Result<Vec<Ipv4Addr>, String> {
-    let spec = service.spec.as_ref().ok_or("no spec")?;
-    let texts: Vec<&str> = match &spec.cluster_ips {
+/// `clusterIPs`, falling back to `clusterIP`.
+fn cluster_ip_texts(service: &Service) -> Vec<&str> {
+    let Some(spec) = service.spec.as_ref() else { return Vec::new() };
+    match &spec.cluster_ips {
         Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
         _ => spec.cluster_ip.iter().map(String::as_str).collect(),
-    };
-    let mut vips = Vec::new();
-    for text in texts {
-        match parse_ip_sloppy(text) {
-            Some(IpAddr::V4(ip)) => vips.push(ip),
-            // IPv6 frontends arrive with the IPv6 datapath; a dual-stack Service keeps its IPv4 side.
-            Some(IpAddr::V6(_)) => {}
-            None => return Err(format!("invalid clusterIP {text:?}")),
-        }
     }
-    Ok(vips)
 }
 
 fn service_port(port: &ServicePort) -> Result<(PortKey, u16), String> {
@@ -305,266 +653,35 @@ fn service_port(port: &ServicePort) -> Result<(PortKey, u16), String> {
     Ok(((port.name.clone().unwrap_or_default(), proto), number))
 }
 
-/// Merges all slices into (namespace, service) -> (port name, protocol) -> endpoint -> conditions.
-///
-/// As kube-proxy's endpointslice cache: slices are tied to Services by label, several slices
-/// union, a duplicate endpoint merges with "ready wins", nil ports are ignored, FQDN slices too.
-fn merge_slices(
-    slices: &[EndpointSlice],
-    rejections: &mut Vec<Rejection>,
-) -> BTreeMap<(String, String), BTreeMap<PortKey, BTreeMap<(Ipv4Addr, u16), MergedEndpoint>>> {
-    let mut merged: BTreeMap<_, BTreeMap<_, BTreeMap<_, MergedEndpoint>>> = BTreeMap::new();
-    for slice in slices {
-        let (namespace, name) = object_name(&slice.metadata);
-        let object = format!("EndpointSlice {namespace}/{name}");
-        if slice.address_type != "IPv4" {
-            // FQDN is ignored by kube-proxy; IPv6 arrives with the IPv6 datapath.
-            continue;
-        }
-        let Some(service) = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
-            rejections.push(Rejection { object, reason: format!("no {LABEL_SERVICE_NAME} label") });
-            continue;
-        };
-        let per_port = merged.entry((namespace, service.clone())).or_default();
-        for port in slice.ports.iter().flatten() {
-            let Some(number) = port.port else { continue };
-            let Ok(number) = u16::try_from(number) else {
-                rejections.push(Rejection { object: object.clone(), reason: format!("invalid port {number}") });
-                continue;
-            };
-            if number == 0 {
-                continue;
+/// The port's NodePort, if it has one. kube-proxy programs any non-zero `nodePort`; a NodePort
+/// Service without one (only possible outside the API server, which allocates it) is reported.
+fn node_port(service_type: Option<&str>, port: &ServicePort) -> Result<Option<u16>, String> {
+    let port_name = port.name.as_deref().unwrap_or_default();
+    match port.node_port.unwrap_or(0) {
+        0 if service_type == Some("NodePort") => Err(format!("port {port_name:?}: invalid nodePort 0 for type NodePort")),
+        0 => Ok(None),
+        number => u16::try_from(number)
+            .map(Some)
+            .map_err(|_| format!("port {port_name:?}: invalid nodePort {number}")),
+    }
+}
+
+/// `sessionAffinity: ClientIP`: the timeout in seconds (the API allows 1..=86400, default 10800).
+fn affinity_timeout(spec: &k8s_openapi::api::core::v1::ServiceSpec, problems: &mut Vec<String>) -> Option<u32> {
+    if spec.session_affinity.as_deref() != Some("ClientIP") {
+        return None;
+    }
+    let configured = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref()).and_then(|c| c.timeout_seconds);
+    match configured {
+        None => Some(DEFAULT_AFFINITY_TIMEOUT),
+        Some(seconds) => match u32::try_from(seconds).ok().filter(|s| (1..=MAX_AFFINITY_TIMEOUT).contains(s)) {
+            Some(seconds) => Some(seconds),
+            None => {
+                problems.push(format!(
+                    "sessionAffinityConfig.clientIP.timeoutSeconds {seconds} is outside 1..={MAX_AFFINITY_TIMEOUT}; using {DEFAULT_AFFINITY_TIMEOUT}"
+                ));
+                Some(DEFAULT_AFFINITY_TIMEOUT)
             }
-            let proto = match Proto::from_k8s(port.protocol.as_deref()) {
-                Ok(proto) => proto,
-                Err(_) => continue,
-            };
-            let endpoints = per_port.entry((port.name.clone().unwrap_or_default(), proto)).or_default();
-            for endpoint in &slice.endpoints {
-                // kube-proxy uses the first address of an endpoint.
-                let Some(text) = endpoint.addresses.first() else { continue };
-                let addr = match parse_ip_sloppy(text) {
-                    Some(IpAddr::V4(addr)) => addr,
-                    _ => {
-                        rejections.push(Rejection {
-                            object: object.clone(),
-                            reason: format!("invalid IPv4 endpoint address {text:?}"),
-                        });
-                        continue;
-                    }
-                };
-                let conditions = conditions(endpoint.conditions.as_ref());
-                endpoints
-                    .entry((addr, number))
-                    .and_modify(|existing| {
-                        // Duplicates across slices happen during slice rebalancing: ready wins.
-                        existing.conditions.ready |= conditions.ready;
-                        existing.conditions.serving |= conditions.serving;
-                        existing.conditions.terminating &= conditions.terminating;
-                    })
-                    .or_insert(MergedEndpoint { conditions });
-            }
-        }
-    }
-    merged
-}
-
-/// Nil conditions are read as the API documents them: ready and serving unless said otherwise.
-fn conditions(conditions: Option<&k8s_openapi::api::discovery::v1::EndpointConditions>) -> EndpointConditions {
-    let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
-    EndpointConditions {
-        ready,
-        serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
-        terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-    }
-}
-
-/// Ready endpoints; if none, serving-and-terminating ones (kube-proxy `CategorizeEndpoints`).
-fn usable_backends(
-    endpoints: Option<&BTreeMap<(Ipv4Addr, u16), MergedEndpoint>>,
-    proto: Proto,
-) -> Vec<BackendAddr> {
-    let Some(endpoints) = endpoints else { return Vec::new() };
-    let pick = |want: fn(&EndpointConditions) -> bool| -> BTreeSet<(Ipv4Addr, u16)> {
-        endpoints.iter().filter(|(_, e)| want(&e.conditions)).map(|(k, _)| *k).collect()
-    };
-    let mut chosen = pick(|c| c.ready);
-    if chosen.is_empty() {
-        chosen = pick(|c| c.serving && c.terminating);
-    }
-    chosen.into_iter().map(|(addr, port)| BackendAddr { addr, port, proto }).collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn service(yaml: &str) -> Service {
-        serde_yaml::from_str(yaml).expect("test Service")
-    }
-
-    fn slice(yaml: &str) -> EndpointSlice {
-        serde_yaml::from_str(yaml).expect("test EndpointSlice")
-    }
-
-    const WEB: &str = r#"
-apiVersion: v1
-kind: Service
-metadata: {name: web, namespace: demo}
-spec:
-  clusterIP: 10.96.0.10
-  ports:
-  - {name: http, port: 80, targetPort: web, protocol: TCP}
-  - {name: metrics, port: 9090, targetPort: 9090, protocol: TCP}
-"#;
-
-    fn compute_for(services: &[&str], slices: &[&str]) -> DesiredState {
-        let cluster = ClusterState {
-            services: services.iter().map(|s| service(s)).collect(),
-            slices: slices.iter().map(|s| slice(s)).collect(),
-            node: None,
-        };
-        compute(&cluster, &NodeConfig::default())
-    }
-
-    fn fe(ip: &str, port: u16, proto: Proto) -> Frontend {
-        Frontend { addr: ip.parse().unwrap(), port, proto, scope: Scope::Internal }
-    }
-
-    fn backends(state: &DesiredState, frontend: Frontend) -> Vec<String> {
-        state.frontends[&frontend].backends.iter().map(|b| format!("{}:{}", b.addr, b.port)).collect()
-    }
-
-    #[test]
-    fn ports_resolve_by_service_port_name_whether_target_port_is_a_name_or_a_number() {
-        // The slice carries the resolved target port under the Service port's name.
-        let state = compute_for(
-            &[WEB],
-            &[r#"
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: web-a, namespace: demo, labels: {kubernetes.io/service-name: web}}
-addressType: IPv4
-endpoints: [{addresses: [10.244.1.2]}, {addresses: [10.244.1.3]}]
-ports: [{name: http, port: 8080, protocol: TCP}, {name: metrics, port: 9090, protocol: TCP}]
-"#],
-        );
-        assert!(state.rejections.is_empty(), "{:?}", state.rejections);
-        assert_eq!(backends(&state, fe("10.96.0.10", 80, Proto::Tcp)), ["10.244.1.2:8080", "10.244.1.3:8080"]);
-        assert_eq!(backends(&state, fe("10.96.0.10", 9090, Proto::Tcp)), ["10.244.1.2:9090", "10.244.1.3:9090"]);
-    }
-
-    #[test]
-    fn several_slices_merge_and_a_duplicate_is_ready_if_any_copy_is() {
-        let state = compute_for(
-            &[WEB],
-            &[
-                r#"
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: web-a, namespace: demo, labels: {kubernetes.io/service-name: web}}
-addressType: IPv4
-endpoints: [{addresses: [10.244.1.2]}, {addresses: [10.244.1.4], conditions: {ready: false}}]
-ports: [{name: http, port: 8080, protocol: TCP}]
-"#,
-                r#"
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: web-b, namespace: demo, labels: {kubernetes.io/service-name: web}}
-addressType: IPv4
-endpoints: [{addresses: [10.244.2.7]}, {addresses: [10.244.1.4], conditions: {ready: true}}]
-ports: [{name: http, port: 8080, protocol: TCP}]
-"#,
-            ],
-        );
-        assert_eq!(
-            backends(&state, fe("10.96.0.10", 80, Proto::Tcp)),
-            ["10.244.1.2:8080", "10.244.1.4:8080", "10.244.2.7:8080"]
-        );
-        // No slice port named "metrics": the frontend exists and rejects.
-        assert!(backends(&state, fe("10.96.0.10", 9090, Proto::Tcp)).is_empty());
-    }
-
-    #[test]
-    fn not_ready_endpoints_are_excluded_and_terminating_ones_are_a_fallback() {
-        let only_not_ready = compute_for(
-            &[WEB],
-            &[r#"
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: web-a, namespace: demo, labels: {kubernetes.io/service-name: web}}
-addressType: IPv4
-endpoints:
-- {addresses: [10.244.1.2], conditions: {ready: false}}
-- {addresses: [10.244.1.3], conditions: {ready: true}}
-ports: [{name: http, port: 8080, protocol: TCP}]
-"#],
-        );
-        assert_eq!(backends(&only_not_ready, fe("10.96.0.10", 80, Proto::Tcp)), ["10.244.1.3:8080"]);
-
-        let terminating = compute_for(
-            &[WEB],
-            &[r#"
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: web-a, namespace: demo, labels: {kubernetes.io/service-name: web}}
-addressType: IPv4
-endpoints:
-- {addresses: [10.244.1.2], conditions: {ready: false, serving: true, terminating: true}}
-- {addresses: [10.244.1.3], conditions: {ready: false, serving: false, terminating: true}}
-ports: [{name: http, port: 8080, protocol: TCP}]
-"#],
-        );
-        assert_eq!(backends(&terminating, fe("10.96.0.10", 80, Proto::Tcp)), ["10.244.1.2:8080"]);
-    }
-
-    #[test]
-    fn headless_external_name_and_labelled_services_are_ignored() {
-        let state = compute_for(
-            &[
-                r#"{apiVersion: v1, kind: Service, metadata: {name: headless, namespace: a}, spec: {clusterIP: None, ports: [{port: 80}]}}"#,
-                r#"{apiVersion: v1, kind: Service, metadata: {name: ext, namespace: a}, spec: {type: ExternalName, externalName: example.com, clusterIP: 10.96.0.20, ports: [{port: 80}]}}"#,
-                r#"{apiVersion: v1, kind: Service, metadata: {name: other, namespace: a, labels: {service.kubernetes.io/service-proxy-name: foo}}, spec: {clusterIP: 10.96.0.21, ports: [{port: 80}]}}"#,
-                r#"{apiVersion: v1, kind: Service, metadata: {name: hl, namespace: a, labels: {service.kubernetes.io/headless: ""}}, spec: {clusterIP: 10.96.0.22, ports: [{port: 80}]}}"#,
-            ],
-            &[],
-        );
-        assert!(state.frontends.is_empty(), "{:?}", state.frontends.keys());
-        assert!(state.rejections.is_empty());
-    }
-
-    #[test]
-    fn tcp_and_udp_on_the_same_port_are_separate_frontends() {
-        let state = compute_for(
-            &[r#"{apiVersion: v1, kind: Service, metadata: {name: dns, namespace: kube-system}, spec: {clusterIP: 10.96.0.10, ports: [{name: dns, port: 53, protocol: UDP}, {name: dns-tcp, port: 53, protocol: TCP}]}}"#],
-            &[r#"{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: dns-a, namespace: kube-system, labels: {kubernetes.io/service-name: dns}}, addressType: IPv4, endpoints: [{addresses: [10.244.1.5]}], ports: [{name: dns, port: 5353, protocol: UDP}, {name: dns-tcp, port: 5354, protocol: TCP}]}"#],
-        );
-        assert_eq!(backends(&state, fe("10.96.0.10", 53, Proto::Udp)), ["10.244.1.5:5353"]);
-        assert_eq!(backends(&state, fe("10.96.0.10", 53, Proto::Tcp)), ["10.244.1.5:5354"]);
-        assert_eq!(state.frontends[&fe("10.96.0.10", 53, Proto::Udp)].backends[0].proto, Proto::Udp);
-    }
-
-    #[test]
-    fn bad_input_is_rejected_by_name_and_the_rest_still_programs() {
-        let state = compute_for(
-            &[
-                WEB,
-                r#"{apiVersion: v1, kind: Service, metadata: {name: badip, namespace: demo}, spec: {clusterIP: "10.96.0.300", ports: [{port: 80}]}}"#,
-                r#"{apiVersion: v1, kind: Service, metadata: {name: zeros, namespace: demo}, spec: {clusterIP: "010.096.000.011", ports: [{port: 80}]}}"#,
-                r#"{apiVersion: v1, kind: Service, metadata: {name: sctp, namespace: demo}, spec: {clusterIP: "10.96.0.12", ports: [{port: 80, protocol: SCTP}]}}"#,
-            ],
-            &[
-                r#"{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: orphan, namespace: demo}, addressType: IPv4, endpoints: [{addresses: [10.244.1.2]}], ports: [{port: 80}]}"#,
-                r#"{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-x, namespace: demo, labels: {kubernetes.io/service-name: web}}, addressType: IPv4, endpoints: [{addresses: [not-an-ip]}, {addresses: [10.244.1.9]}], ports: [{name: http, port: 8080}, {name: http, port: null}]}"#,
-            ],
-        );
-        let rejected: Vec<String> = state.rejections.iter().map(ToString::to_string).collect();
-        assert!(rejected.iter().any(|r| r.starts_with("Service demo/badip: invalid clusterIP")), "{rejected:?}");
-        assert!(rejected.iter().any(|r| r.starts_with("Service demo/sctp: protocol SCTP")), "{rejected:?}");
-        assert!(rejected.iter().any(|r| r.starts_with("EndpointSlice demo/orphan: no kubernetes.io/service-name")), "{rejected:?}");
-        assert!(rejected.iter().any(|r| r.contains("EndpointSlice demo/web-x") && r.contains("not-an-ip")), "{rejected:?}");
-        // Leading zeros read as decimal (CVE-2021-29923), not octal and not rejected.
-        assert!(state.frontends.contains_key(&fe("10.96.0.11", 80, Proto::Tcp)));
-        assert_eq!(backends(&state, fe("10.96.0.10", 80, Proto::Tcp)), ["10.244.1.9:8080"]);
+        },
     }
 }

@@ -7,7 +7,8 @@ use std::path::Path;
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::desired::Scope;
+use proxy_abi::{backend_flags, svc_flags};
+
 use crate::kernel::{self, KernelMaps};
 use crate::lbmap::LbMaps;
 use crate::reconcile::{decode_backend, decode_frontend};
@@ -18,6 +19,8 @@ pub struct DumpedBackend {
     pub id: u32,
     pub ip: String,
     pub port: u16,
+    /// The endpoint runs on this node.
+    pub local: bool,
 }
 
 #[derive(Serialize)]
@@ -27,8 +30,27 @@ pub struct DumpedService {
     pub port: u16,
     pub protocol: String,
     pub scope: String,
+    /// ClusterIP, NodePort, ExternalIP or LoadBalancer.
+    pub kind: String,
+    /// Only node-local backends (a `Local` traffic policy).
+    pub local_only: bool,
+    /// ClientIP session affinity timeout, when affinity is on.
+    pub affinity_timeout_seconds: Option<u32>,
     pub rev_nat_id: u16,
     pub backends: Vec<DumpedBackend>,
+}
+
+/// The frontend kind a slot-0 flag set encodes.
+fn kind_name(flags: u8) -> &'static str {
+    if flags & svc_flags::NODE_PORT != 0 {
+        "NodePort"
+    } else if flags & svc_flags::EXTERNAL_IP != 0 {
+        "ExternalIP"
+    } else if flags & svc_flags::LOAD_BALANCER != 0 {
+        "LoadBalancer"
+    } else {
+        "ClusterIP"
+    }
 }
 
 #[derive(Serialize)]
@@ -37,6 +59,62 @@ pub struct Dump {
     pub services: Vec<DumpedService>,
     pub counters: BTreeMap<String, u64>,
     pub rev_sock_entries: usize,
+    /// Flows the packet-level datapath translated (one line per flow, from its forward entry).
+    pub conntrack: Vec<DumpedFlow>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DumpedFlow {
+    pub protocol: String,
+    pub client: String,
+    pub frontend: String,
+    pub backend: String,
+    pub backend_id: u32,
+    pub rev_nat_id: u16,
+    /// TCP state seen so far: `syn`, `established`, `closing` (FIN or RST); empty for UDP.
+    pub tcp_state: String,
+    pub idle_seconds: u64,
+}
+
+fn flows(entries: Vec<(proxy_abi::CtKey4, proxy_abi::CtEntry4)>) -> Vec<DumpedFlow> {
+    use proxy_abi::ct;
+    use std::net::{Ipv4Addr, SocketAddrV4};
+    let addr = |a: u32, p: u16| SocketAddrV4::new(Ipv4Addr::from(u32::from_be(a)), u16::from_be(p)).to_string();
+    // SAFETY: clock_gettime with a valid out-parameter; the kernel side stamps with the same clock.
+    let now_ns = unsafe {
+        let mut ts: libc::timespec = std::mem::zeroed();
+        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts);
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    };
+    let mut flows: Vec<DumpedFlow> = entries
+        .into_iter()
+        .filter(|(key, _)| key.dir == ct::DIR_FORWARD)
+        .map(|(key, entry)| DumpedFlow {
+            protocol: match key.proto {
+                proxy_abi::IPPROTO_TCP => "TCP".into(),
+                proxy_abi::IPPROTO_UDP => "UDP".into(),
+                other => other.to_string(),
+            },
+            client: addr(key.saddr_be, key.sport_be),
+            frontend: addr(entry.frontend_addr_be, entry.frontend_port_be),
+            backend: addr(entry.backend_addr_be, entry.backend_port_be),
+            backend_id: entry.backend_id,
+            rev_nat_id: entry.rev_nat_id,
+            tcp_state: if key.proto != proxy_abi::IPPROTO_TCP {
+                String::new()
+            } else if entry.tcp_seen & (ct::TCP_FIN | ct::TCP_RST) != 0 {
+                "closing".into()
+            } else if entry.tcp_seen & ct::TCP_ESTABLISHED != 0 {
+                "established".into()
+            } else {
+                "syn".into()
+            },
+            idle_seconds: now_ns.saturating_sub(entry.last_seen_ns) / 1_000_000_000,
+        })
+        .collect();
+    flows.sort_by(|a, b| (&a.frontend, &a.client).cmp(&(&b.frontend, &b.client)));
+    flows
 }
 
 pub fn collect(bpffs: &Path) -> anyhow::Result<Dump> {
@@ -52,18 +130,20 @@ pub fn collect(bpffs: &Path) -> anyhow::Result<Dump> {
             let slot_key = proxy_abi::ServiceKey4 { backend_slot: slot, ..*key };
             let Some(slot_value) = entries.get(&slot_key) else { continue };
             let id = slot_value.backend_id;
-            if let Some(backend) = backends.get(&id).and_then(decode_backend) {
-                dumped.push(DumpedBackend { id, ip: backend.addr.to_string(), port: backend.port });
+            let Some(entry) = backends.get(&id) else { continue };
+            if let Some(backend) = decode_backend(entry) {
+                let local = entry.flags & backend_flags::LOCAL != 0;
+                dumped.push(DumpedBackend { id, ip: backend.addr.to_string(), port: backend.port, local });
             }
         }
         services.push(DumpedService {
             ip: frontend.addr.to_string(),
             port: frontend.port,
             protocol: frontend.proto.to_string(),
-            scope: match frontend.scope {
-                Scope::External => "external".into(),
-                Scope::Internal => "internal".into(),
-            },
+            scope: frontend.scope.name().to_owned(),
+            kind: kind_name(value.flags).to_owned(),
+            local_only: value.flags & svc_flags::LOCAL_ONLY != 0,
+            affinity_timeout_seconds: (value.flags & svc_flags::AFFINITY != 0).then_some(value.backend_id),
             rev_nat_id: value.rev_nat_id,
             backends: dumped,
         });
@@ -74,19 +154,36 @@ pub fn collect(bpffs: &Path) -> anyhow::Result<Dump> {
         .map(|(value, name)| (name.to_owned(), value))
         .collect();
     let rev_sock_entries = kernel::count_rev_sock_entries(bpffs)?;
-    Ok(Dump { services, counters, rev_sock_entries })
+    let conntrack = flows(kernel::conntrack_entries(bpffs)?);
+    Ok(Dump { services, counters, rev_sock_entries, conntrack })
 }
 
 pub fn print_text(dump: &Dump) {
-    println!("{:<28} {:<8} {:>7}  BACKENDS", "FRONTEND", "SCOPE", "REV-NAT");
+    println!("{:<28} {:<8} {:<12} {:<24} {:>7}  BACKENDS", "FRONTEND", "SCOPE", "KIND", "FLAGS", "REV-NAT");
     for service in &dump.services {
         let frontend = format!("{}:{}/{}", service.ip, service.port, service.protocol);
+        let mut flags = Vec::new();
+        if service.local_only {
+            flags.push("local-only".to_owned());
+        }
+        if let Some(timeout) = service.affinity_timeout_seconds {
+            flags.push(format!("affinity={timeout}s"));
+        }
+        let flags = if flags.is_empty() { "-".to_owned() } else { flags.join(",") };
         let backends = if service.backends.is_empty() {
-            "(none: connections are refused)".to_owned()
+            if service.local_only {
+                "(none on this node: dropped)".to_owned()
+            } else {
+                "(none: connections are refused)".to_owned()
+            }
         } else {
-            service.backends.iter().map(|b| format!("{}:{}", b.ip, b.port)).collect::<Vec<_>>().join(", ")
+            let backend = |b: &DumpedBackend| format!("{}:{}{}", b.ip, b.port, if b.local { " (local)" } else { "" });
+            service.backends.iter().map(backend).collect::<Vec<_>>().join(", ")
         };
-        println!("{frontend:<28} {:<8} {:>7}  {backends}", service.scope, service.rev_nat_id);
+        println!(
+            "{frontend:<28} {:<8} {:<12} {flags:<24} {:>7}  {backends}",
+            service.scope, service.kind, service.rev_nat_id
+        );
     }
     println!();
     println!("counters:");
@@ -94,4 +191,12 @@ pub fn print_text(dump: &Dump) {
         println!("  {name:<22} {value}");
     }
     println!("socket reverse-translation entries: {}", dump.rev_sock_entries);
+    println!();
+    println!("connection tracking ({} flows):", dump.conntrack.len());
+    for flow in &dump.conntrack {
+        println!(
+            "  {:<4} {:<22} -> {:<22} -> {:<22} {:<12} idle {}s",
+            flow.protocol, flow.client, flow.frontend, flow.backend, flow.tcp_state, flow.idle_seconds
+        );
+    }
 }

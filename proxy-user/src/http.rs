@@ -62,7 +62,7 @@ where
                 let path = path.split('?').next().unwrap_or(path);
                 let response = handler(path);
                 let out = format!(
-                    "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
+                    "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
                     response.status,
                     reason(response.status),
                     response.content_type,

@@ -16,11 +16,13 @@ use aya::maps::{HashMap, Map, MapData, MapType};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
 use proxy_abi::{
-    capacity, map_name, Backend4, BackendId, RevNat4, RevNatId, RevSock4, RevSockKey4, ServiceKey4,
-    ServiceValue4,
+    capacity, map_name, Backend4, BackendId, CtEntry4, CtKey4, RevNat4, RevNatId, RevSock4, RevSockKey4,
+    ServiceKey4, ServiceValue4,
 };
 
 use crate::lbmap::{LbMaps, MapError};
+
+pub mod tc;
 
 /// The eBPF object, embedded at build time by `cargo xtask build`.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
@@ -64,6 +66,25 @@ pub enum DatapathError {
         #[source]
         source: aya::maps::MapError,
     },
+    #[error("cannot attach {program} to interface {interface}")]
+    Interface {
+        program: &'static str,
+        interface: String,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("cannot write map {name}")]
+    MapWrite {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("cannot read the addresses of interface {interface}")]
+    InterfaceAddress {
+        interface: String,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot {action} link {path}")]
     Link {
         action: &'static str,
@@ -80,6 +101,7 @@ pub struct MapCapacities {
     pub backends: u32,
     pub rev_nat: u32,
     pub rev_sock: u32,
+    pub ct: u32,
 }
 
 impl Default for MapCapacities {
@@ -89,6 +111,7 @@ impl Default for MapCapacities {
             backends: capacity::BACKENDS4,
             rev_nat: capacity::REV_NAT4,
             rev_sock: capacity::REV_SOCK4,
+            ct: capacity::CT4,
         }
     }
 }
@@ -102,7 +125,7 @@ struct MapLayout {
     max_entries: u32,
 }
 
-fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 5] {
+fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 7] {
     use std::mem::size_of;
     let size = |n: usize| n as u32;
     [
@@ -140,6 +163,20 @@ fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 5] {
             key_size: 4,
             value_size: 8,
             max_entries: proxy_abi::stat::COUNT,
+        },
+        MapLayout {
+            name: map_name::CT4,
+            map_type: MapType::LruHash,
+            key_size: size(size_of::<CtKey4>()),
+            value_size: size(size_of::<CtEntry4>()),
+            max_entries: caps.ct,
+        },
+        MapLayout {
+            name: map_name::IFADDR4,
+            map_type: MapType::Hash,
+            key_size: 4,
+            value_size: size(size_of::<proxy_abi::IfAddr4>()),
+            max_entries: capacity::IFADDR4,
         },
     ]
 }
@@ -208,8 +245,11 @@ pub struct Datapath {
 
 /// Loads the object (reusing pinned maps), attaches every program to `cgroup` through a pinned
 /// link (or swaps the program inside the existing link), and hands out the maps.
-pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities) -> Result<Datapath, DatapathError> {
-    if EBPF_OBJECT.is_empty() {
+///
+/// `object` replaces the object built into the binary (`--bpf-object`); `None` uses the built-in one.
+pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities, object: Option<&[u8]>) -> Result<Datapath, DatapathError> {
+    let object = object.unwrap_or(EBPF_OBJECT);
+    if object.is_empty() {
         return Err(DatapathError::NoObject);
     }
     if statfs_type(cgroup).ok() != Some(CGROUP2_SUPER_MAGIC) {
@@ -224,7 +264,8 @@ pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities) -> Result<Datapat
         .map_max_entries(map_name::BACKENDS4, caps.backends)
         .map_max_entries(map_name::REV_NAT4, caps.rev_nat)
         .map_max_entries(map_name::REV_SOCK4, caps.rev_sock)
-        .load(EBPF_OBJECT)
+        .map_max_entries(map_name::CT4, caps.ct)
+        .load(object)
         .map_err(DatapathError::Load)?;
 
     let cgroup_dir = fs::File::open(cgroup).map_err(|source| DatapathError::Bpffs { path: cgroup.to_owned(), source })?;
@@ -242,8 +283,20 @@ pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities) -> Result<Datapat
             // Atomic replacement: the hook is never without a program, so no connection made
             // during an upgrade misses translation.
             let link = bpf_obj_get(&link_path).map_err(|e| link_err("open pinned", e))?;
+            let old_tag = link_program_id(link.as_fd()).ok().and_then(program_tag);
             bpf_link_update(link.as_fd(), prog_fd.as_fd()).map_err(|e| link_err("update", e))?;
-            tracing::debug!(program = name, "replaced the program inside the pinned link");
+            let new_tag = program.info().ok().map(|info| info.tag());
+            if old_tag.is_some() && old_tag == new_tag {
+                tracing::debug!(program = name, "replaced the program inside the pinned link (same code)");
+            } else {
+                // An upgrade: the log names both versions so an operator can tell what runs.
+                tracing::info!(
+                    program = name,
+                    old_tag = %old_tag.map_or_else(|| "unknown".to_owned(), |t| format!("{t:016x}")),
+                    new_tag = %new_tag.map_or_else(|| "unknown".to_owned(), |t| format!("{t:016x}")),
+                    "upgraded the program inside the pinned link"
+                );
+            }
         } else {
             // bpf_link_create takes no flags for cgroups: links always coexist with other
             // programs on the same hook (`Single` maps to flags 0).
@@ -283,6 +336,37 @@ fn bpf_obj_get(path: &Path) -> io::Result<OwnedFd> {
     }
     // SAFETY: the kernel returned a new file descriptor that we now own.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `bpf(BPF_OBJ_GET_INFO_BY_FD)` on a link: the id of the program it runs.
+fn link_program_id(link: BorrowedFd<'_>) -> io::Result<u32> {
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    #[repr(C)]
+    struct InfoAttr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    // struct bpf_link_info starts with type, id, prog_id; the rest is per link type.
+    let mut info = [0u32; 16];
+    let attr = InfoAttr {
+        bpf_fd: link.as_raw_fd() as u32,
+        info_len: std::mem::size_of_val(&info) as u32,
+        info: info.as_mut_ptr() as u64,
+    };
+    // SAFETY: attr points at a buffer of info_len bytes that outlives the call.
+    let ret = unsafe {
+        libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &attr as *const InfoAttr, std::mem::size_of::<InfoAttr>())
+    };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(info[2])
+}
+
+/// The tag (hash of the instructions) of a loaded program, by id.
+fn program_tag(id: u32) -> Option<u64> {
+    aya::programs::loaded_programs().flatten().find(|p| p.id() == id).map(|p| p.tag())
 }
 
 /// `bpf(BPF_LINK_UPDATE)`: swaps the program of a link in place.
@@ -435,6 +519,15 @@ pub fn count_rev_sock_entries(bpffs: &Path) -> Result<usize, DatapathError> {
     Ok(lru.keys().filter(Result::is_ok).count())
 }
 
+/// The conntrack entries of the packet-level datapath (forward and reply), from the pinned LRU.
+pub fn conntrack_entries(bpffs: &Path) -> Result<Vec<(CtKey4, CtEntry4)>, DatapathError> {
+    let name = map_name::CT4;
+    let lru = HashMap::<MapData, CtKey4, CtEntry4>::try_from(open_pinned_map(bpffs, name)?)
+        .map_err(|source| DatapathError::MapLayout { name, source })?;
+    // Entries may be evicted while iterating (LRU): skip what vanished under us.
+    Ok(lru.iter().filter_map(Result::ok).collect())
+}
+
 /// Detaches (by unpinning the links) and unpins everything under `bpffs`. Returns what it removed.
 pub fn cleanup(bpffs: &Path) -> io::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
@@ -442,7 +535,10 @@ pub fn cleanup(bpffs: &Path) -> io::Result<Vec<PathBuf>> {
     if links.is_dir() {
         for entry in fs::read_dir(&links)? {
             let path = entry?.path();
-            fs::remove_file(&path)?;
+            // A classic tc filter is not held by its pin: remove it from its interface first.
+            if !tc::detach_pin(&path)? {
+                fs::remove_file(&path)?;
+            }
             removed.push(path);
         }
         fs::remove_dir(&links)?;

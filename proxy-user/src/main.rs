@@ -4,11 +4,16 @@ mod agent;
 mod checkpoint;
 mod desired;
 mod dump;
+mod healthcheck;
 mod http;
 mod ipparse;
 mod kernel;
 mod lbmap;
+mod metrics;
+mod netif;
 mod reconcile;
+mod maglev;
+mod sockdestroy;
 mod source;
 
 use std::net::SocketAddr;
@@ -64,9 +69,21 @@ pub struct AgentArgs {
     /// bpffs directory for the pinned maps and links.
     #[arg(long, default_value = DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
-    /// Interfaces for the packet-level datapath (NodePort, external traffic), comma-separated.
+    /// Interfaces for the packet-level datapath (NodePort, externalIPs, LoadBalancer IPs for
+    /// traffic from outside the node), comma-separated; `none` for none. Default: every interface
+    /// holding one of the node's non-loopback IPv4 addresses.
     #[arg(long, value_delimiter = ',')]
     pub interfaces: Vec<String>,
+    /// How the packet-level programs are attached: `auto` (tcx on kernels that have it, ≥ 6.6;
+    /// a clsact qdisc filter otherwise), `tcx`, or `legacy` (clsact filter).
+    #[arg(long, default_value = "auto", value_parser = kernel::tc::AttachMode::parse)]
+    pub tc_attach: kernel::tc::AttachMode,
+    /// Which node addresses get NodePorts: comma-separated CIDRs (the node's addresses inside
+    /// them), or `primary` (the Node object's primary InternalIP/ExternalIP per family), as
+    /// kube-proxy's flag. Default: every address of the node's interfaces (loopback and IPv6
+    /// link-local excepted), as kube-proxy's iptables mode.
+    #[arg(long, default_value = "", value_parser = desired::NodePortAddresses::parse)]
+    pub nodeport_addresses: desired::NodePortAddresses,
     /// Directory for the agent's own state (checkpoint, lock).
     #[arg(long, default_value = "/var/lib/ebpf-proxy")]
     pub state_dir: PathBuf,
@@ -76,6 +93,10 @@ pub struct AgentArgs {
     /// Address for /metrics (as kube-proxy).
     #[arg(long, default_value = "127.0.0.1:10249")]
     pub metrics_bind: SocketAddr,
+    /// /healthz fails when an API change has not reached the datapath after this long (e.g. a
+    /// full map refuses it). kube-proxy uses 2 × its 30 s sync period; so does the default.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub healthz_stale_after: Duration,
     /// How often a file source is checked for changes.
     #[arg(long, default_value = "200ms", value_parser = parse_duration)]
     pub poll_interval: Duration,
@@ -91,6 +112,13 @@ pub struct AgentArgs {
     /// Capacity of the socket reverse-translation LRU.
     #[arg(long, default_value_t = proxy_abi::capacity::REV_SOCK4)]
     pub map_size_rev_sock: u32,
+    /// Capacity of the connection-tracking LRU of the packet-level datapath (two entries per flow).
+    #[arg(long, default_value_t = proxy_abi::capacity::CT4)]
+    pub map_size_ct: u32,
+    /// Load the kernel programs from this eBPF object file instead of the one built into the
+    /// binary (a hotfix or an upgrade test). The attached programs are swapped atomically.
+    #[arg(long)]
+    pub bpf_object: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug)]
@@ -173,7 +201,7 @@ fn main() -> anyhow::Result<()> {
             for path in &removed {
                 println!("removed {}", path.display());
             }
-            println!("{} pinned objects removed; socket-level Service translation is off", removed.len());
+            println!("{} pinned objects removed; Service translation is off (socket and packet level)", removed.len());
             Ok(())
         }
     }

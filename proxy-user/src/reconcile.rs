@@ -5,13 +5,18 @@
 //! reconciler: backends, slots 1..N, reverse NAT, slot 0 last, then trim surplus slots; so the
 //! kernel never sees a half-built service. Frontend removals go first (they free capacity),
 //! unreferenced backends and reverse-NAT entries are deleted last. Nothing is ever flushed.
+//! Every value is compared whole, so a change of flags alone (traffic policy, affinity, a
+//! backend moving to this node) is one in-place update of the entry concerned.
+//!
+//! Only IPv4 has maps so far: IPv6 frontends of the desired state are skipped here, without
+//! error, until the IPv6 maps exist.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
-use proxy_abi::{Backend4, BackendId, RevNat4, RevNatId, ServiceKey4, ServiceValue4};
+use proxy_abi::{backend_flags, svc_flags, Backend4, BackendId, RevNat4, RevNatId, ServiceKey4, ServiceValue4};
 
-use crate::desired::{BackendAddr, DesiredState, Frontend, Proto, Scope};
+use crate::desired::{BackendAddr, DesiredState, Frontend, FrontendKind, FrontendSpec, Proto, Scope};
 use crate::lbmap::{LbMaps, MapError};
 
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +29,8 @@ pub enum ReconcileError {
     RevNatIdsExhausted,
     #[error("{count} backends exceed the limit of 65535 per frontend")]
     TooManyBackends { count: usize },
+    #[error("backend {backend} is not IPv4 like its frontend")]
+    FamilyMismatch { backend: BackendAddr },
 }
 
 /// A frontend that could not be (fully) programmed in this pass; the maps still hold a
@@ -64,44 +71,88 @@ pub struct Reconciler<M> {
     next_rev_nat_id: RevNatId,
 }
 
-pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey4 {
-    ServiceKey4::new(
-        u32::from(frontend.addr).to_be(),
+/// The address in network byte order, for IPv4 only.
+fn ipv4_be(addr: IpAddr) -> Option<u32> {
+    match addr {
+        IpAddr::V4(ip) => Some(u32::from(ip).to_be()),
+        IpAddr::V6(_) => None,
+    }
+}
+
+/// The service-map key of an IPv4 frontend's slot; None for IPv6.
+pub fn service_key(frontend: &Frontend, slot: u16) -> Option<ServiceKey4> {
+    Some(ServiceKey4::new(
+        ipv4_be(frontend.addr)?,
         frontend.port.to_be(),
         frontend.proto.number(),
         frontend.scope.number(),
         slot,
-    )
+    ))
 }
 
 pub fn decode_frontend(key: &ServiceKey4) -> Option<Frontend> {
     Some(Frontend {
-        addr: Ipv4Addr::from(u32::from_be(key.addr_be)),
+        addr: IpAddr::V4(Ipv4Addr::from(u32::from_be(key.addr_be))),
         port: u16::from_be(key.port_be),
         proto: Proto::from_number(key.proto)?,
         scope: Scope::from_number(key.scope)?,
     })
 }
 
-pub fn backend_value(backend: &BackendAddr) -> Backend4 {
-    Backend4 {
-        addr_be: u32::from(backend.addr).to_be(),
+/// Slot 0 of a frontend: backend count, reverse-NAT id, flags, and the affinity timeout.
+pub fn slot0_value(spec: &FrontendSpec, count: u16, rev_nat_id: RevNatId) -> ServiceValue4 {
+    let mut flags = match spec.kind {
+        FrontendKind::ClusterIp => 0,
+        FrontendKind::NodePort => svc_flags::NODE_PORT,
+        FrontendKind::ExternalIp => svc_flags::EXTERNAL_IP,
+        FrontendKind::LoadBalancer => svc_flags::LOAD_BALANCER,
+    };
+    if spec.local_only {
+        flags |= svc_flags::LOCAL_ONLY;
+    }
+    if spec.affinity_timeout.is_some() {
+        flags |= svc_flags::AFFINITY;
+    }
+    ServiceValue4 {
+        backend_id: spec.affinity_timeout.unwrap_or(0),
+        count,
+        rev_nat_id,
+        flags,
+        flags2: 0,
+        pad: [0; 2],
+    }
+}
+
+/// The backend-map value of an IPv4 backend; None for IPv6.
+pub fn backend_value(backend: &BackendAddr, local: bool) -> Option<Backend4> {
+    Some(Backend4 {
+        addr_be: ipv4_be(backend.addr)?,
         port_be: backend.port.to_be(),
         proto: backend.proto.number(),
-        flags: 0,
-    }
+        flags: if local { backend_flags::LOCAL } else { 0 },
+    })
 }
 
 pub fn decode_backend(value: &Backend4) -> Option<BackendAddr> {
     Some(BackendAddr {
-        addr: Ipv4Addr::from(u32::from_be(value.addr_be)),
+        addr: IpAddr::V4(Ipv4Addr::from(u32::from_be(value.addr_be))),
         port: u16::from_be(value.port_be),
         proto: Proto::from_number(value.proto)?,
     })
 }
 
-fn rev_nat_value(frontend: &Frontend) -> RevNat4 {
-    RevNat4 { addr_be: u32::from(frontend.addr).to_be(), port_be: frontend.port.to_be(), pad: [0; 2] }
+fn rev_nat_value(frontend: &Frontend) -> Option<RevNat4> {
+    Some(RevNat4 { addr_be: ipv4_be(frontend.addr)?, port_be: frontend.port.to_be(), pad: [0; 2] })
+}
+
+/// The same address, port and protocol in the other scope: both entries share one reverse-NAT
+/// id, since a reply is translated back to the same frontend whichever way the request came.
+fn sibling(frontend: &Frontend) -> Frontend {
+    let scope = match frontend.scope {
+        Scope::Internal => Scope::External,
+        Scope::External => Scope::Internal,
+    };
+    Frontend { scope, ..*frontend }
 }
 
 impl<M: LbMaps> Reconciler<M> {
@@ -188,8 +239,18 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
 
-        for (frontend, spec) in &desired.frontends {
-            if let Err(error) = self.upsert_frontend(frontend, &spec.backends, &mut report.writes) {
+        let (ipv4, ipv6): (Vec<_>, Vec<_>) = desired.frontends.iter().partition(|(f, _)| f.addr.is_ipv4());
+        if !ipv6.is_empty() {
+            tracing::debug!(frontends = ipv6.len(), "IPv6 frontends skipped: this datapath has no IPv6 maps yet");
+        }
+        // A backend's LOCAL flag is a property of its address, so it is decided once for all the
+        // frontends that share the backend entry.
+        let mut local: BTreeMap<BackendAddr, bool> = BTreeMap::new();
+        for backend in ipv4.iter().flat_map(|(_, spec)| &spec.backends) {
+            *local.entry(backend.addr).or_default() |= backend.local;
+        }
+        for (frontend, spec) in ipv4 {
+            if let Err(error) = self.upsert_frontend(frontend, spec, &local, &mut report.writes) {
                 report.failures.push(Failure { what: format!("Service {} ({frontend})", spec.service), error });
             }
         }
@@ -201,54 +262,58 @@ impl<M: LbMaps> Reconciler<M> {
     fn upsert_frontend(
         &mut self,
         frontend: &Frontend,
-        backends: &[BackendAddr],
+        spec: &FrontendSpec,
+        local: &BTreeMap<BackendAddr, bool>,
         writes: &mut usize,
     ) -> Result<(), ReconcileError> {
+        let (Some(key0), Some(rev_nat)) = (service_key(frontend, 0), rev_nat_value(frontend)) else {
+            return Ok(());
+        };
+        let backends = &spec.backends;
         let count = u16::try_from(backends.len())
             .ok()
             .filter(|c| *c < u16::MAX)
             .ok_or(ReconcileError::TooManyBackends { count: backends.len() })?;
         let mut ids = Vec::with_capacity(backends.len());
         for backend in backends {
-            ids.push(self.ensure_backend(backend, writes)?);
+            let is_local = local.get(&backend.addr).copied().unwrap_or(backend.local);
+            ids.push(self.ensure_backend(&backend.addr, is_local, writes)?);
         }
 
-        let rev_nat_id = match self.frontends.get(frontend).map(|f| f.rev_nat_id).filter(|id| *id != 0) {
+        let own = self.frontends.get(frontend).map(|f| f.rev_nat_id).filter(|id| *id != 0);
+        let shared = self.frontends.get(&sibling(frontend)).map(|f| f.rev_nat_id).filter(|id| *id != 0);
+        let rev_nat_id = match own.or(shared) {
             Some(id) => id,
-            None => {
-                let id = self.allocate_rev_nat_id()?;
-                self.frontends.entry(*frontend).or_default().rev_nat_id = id;
-                id
-            }
+            None => self.allocate_rev_nat_id()?,
         };
         let applied = self.frontends.entry(*frontend).or_default();
+        applied.rev_nat_id = rev_nat_id;
 
         for (slot, id) in (1..=count).zip(&ids) {
             if applied.slots.get(&slot) != Some(id) {
                 let value = ServiceValue4 { backend_id: *id, ..Default::default() };
-                self.maps.put_service(&service_key(frontend, slot), &value)?;
+                self.maps.put_service(&ServiceKey4 { backend_slot: slot, ..key0 }, &value)?;
                 applied.slots.insert(slot, *id);
                 *writes += 1;
             }
         }
 
-        let rev_nat = rev_nat_value(frontend);
         if self.rev_nats.get(&rev_nat_id) != Some(&rev_nat) {
             self.maps.put_rev_nat(rev_nat_id, &rev_nat)?;
             self.rev_nats.insert(rev_nat_id, rev_nat);
             *writes += 1;
         }
 
-        let slot0 = ServiceValue4 { backend_id: 0, count, rev_nat_id, flags: 0, flags2: 0, pad: [0; 2] };
+        let slot0 = slot0_value(spec, count, rev_nat_id);
         if applied.slot0 != Some(slot0) {
-            self.maps.put_service(&service_key(frontend, 0), &slot0)?;
+            self.maps.put_service(&key0, &slot0)?;
             applied.slot0 = Some(slot0);
             *writes += 1;
         }
 
         let surplus: Vec<u16> = applied.slots.range(count + 1..).map(|(slot, _)| *slot).collect();
         for slot in surplus {
-            self.maps.delete_service(&service_key(frontend, slot))?;
+            self.maps.delete_service(&ServiceKey4 { backend_slot: slot, ..key0 })?;
             applied.slots.remove(&slot);
             *writes += 1;
         }
@@ -257,15 +322,19 @@ impl<M: LbMaps> Reconciler<M> {
 
     fn remove_frontend(&mut self, frontend: &Frontend, writes: &mut usize) -> Result<(), ReconcileError> {
         let Some(applied) = self.frontends.get_mut(frontend) else { return Ok(()) };
+        let Some(key0) = service_key(frontend, 0) else {
+            self.frontends.remove(frontend);
+            return Ok(());
+        };
         // Slot 0 first: from this write on the frontend no longer exists for new connections.
         if applied.slot0.is_some() {
-            self.maps.delete_service(&service_key(frontend, 0))?;
+            self.maps.delete_service(&key0)?;
             applied.slot0 = None;
             *writes += 1;
         }
         let slots: Vec<u16> = applied.slots.keys().copied().collect();
         for slot in slots {
-            self.maps.delete_service(&service_key(frontend, slot))?;
+            self.maps.delete_service(&ServiceKey4 { backend_slot: slot, ..key0 })?;
             applied.slots.remove(&slot);
             *writes += 1;
         }
@@ -308,12 +377,19 @@ impl<M: LbMaps> Reconciler<M> {
         }
     }
 
-    fn ensure_backend(&mut self, backend: &BackendAddr, writes: &mut usize) -> Result<BackendId, ReconcileError> {
-        if let Some(id) = self.backend_ids.get(backend) {
-            return Ok(*id);
+    /// The backend's id, writing its entry if it is new or its flags changed (in place: the id
+    /// and every slot naming it stay).
+    fn ensure_backend(&mut self, backend: &BackendAddr, local: bool, writes: &mut usize) -> Result<BackendId, ReconcileError> {
+        let value = backend_value(backend, local).ok_or(ReconcileError::FamilyMismatch { backend: *backend })?;
+        if let Some(id) = self.backend_ids.get(backend).copied() {
+            if self.backends_by_id.get(&id) != Some(&value) {
+                self.maps.put_backend(id, &value)?;
+                self.backends_by_id.insert(id, value);
+                *writes += 1;
+            }
+            return Ok(id);
         }
         let id = self.allocate_backend_id()?;
-        let value = backend_value(backend);
         self.maps.put_backend(id, &value)?;
         self.backend_ids.insert(*backend, id);
         self.backends_by_id.insert(id, value);

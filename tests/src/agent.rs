@@ -74,6 +74,9 @@ pub struct Agent {
     pub source_args: Vec<String>,
     /// Extra command-line arguments for the next (re)starts.
     pub extra_args: Vec<String>,
+    /// The network namespace the agent runs in (`None`: the test's own). Its health and metrics
+    /// listen on that namespace's loopback.
+    pub netns: Option<PathBuf>,
     starts: u32,
 }
 
@@ -95,11 +98,38 @@ impl Agent {
         Self::start_with_source(topology, dir, source, Vec::new())
     }
 
+    /// As [`Agent::start_kube`], but inside the topology's node namespace (so NodePorts exist on
+    /// the node address 10.244.1.1); `kubeconfig` must name an API address reachable from there.
+    pub fn start_kube_in_node(topology: &Topology, dir: &AgentDir, kubeconfig: &Path) -> anyhow::Result<Self> {
+        let source = vec!["--source=kube".into(), format!("--kubeconfig={}", kubeconfig.display())];
+        Self::start_in(topology, dir, source, Vec::new(), Some(topology.node.path()))
+    }
+
     fn start_with_source(
         topology: &Topology,
         dir: &AgentDir,
         source_args: Vec<String>,
         extra_args: Vec<String>,
+    ) -> anyhow::Result<Self> {
+        Self::start_in(topology, dir, source_args, extra_args, None)
+    }
+
+    /// Starts the agent inside the topology's node namespace (where the packet-level programs
+    /// attach to the node's interfaces, e.g. `--interfaces ext0`) on `dir`'s manifest, and waits
+    /// until it has synced once.
+    pub fn start_file_in_node(topology: &Topology, dir: &AgentDir, extra_args: &[&str]) -> anyhow::Result<Self> {
+        let source = vec![format!("--source=file:{}", dir.manifest().display())];
+        let extra = extra_args.iter().map(ToString::to_string).collect();
+        Self::start_in(topology, dir, source, extra, Some(topology.node.path()))
+    }
+
+    /// Starts the agent in `netns` (`None`: the test's own namespace) and waits until it synced.
+    fn start_in(
+        topology: &Topology,
+        dir: &AgentDir,
+        source_args: Vec<String>,
+        extra_args: Vec<String>,
+        netns: Option<PathBuf>,
     ) -> anyhow::Result<Self> {
         let (healthz_port, metrics_port) = free_ports();
         let mut agent = Self {
@@ -112,10 +142,20 @@ impl Agent {
             state_dir: dir.dir.join("state"),
             source_args,
             extra_args,
+            netns,
             starts: 0,
         };
         agent.restart()?;
         Ok(agent)
+    }
+
+    /// `GET path` on the agent's healthz (`metrics: false`) or metrics port, in its namespace.
+    pub fn get(&self, metrics: bool, path: &str) -> std::io::Result<(u16, String)> {
+        let port = if metrics { self.metrics_port } else { self.healthz_port };
+        match &self.netns {
+            None => http_get(port, path),
+            Some(netns) => crate::topology::in_netns(netns, || http_get(port, path))?,
+        }
     }
 
     /// A second agent for the same node (same bpffs, cgroup, source and state dir), other
@@ -132,6 +172,7 @@ impl Agent {
             state_dir: self.state_dir.clone(),
             source_args: self.source_args.clone(),
             extra_args: self.extra_args.clone(),
+            netns: self.netns.clone(),
             starts: 0,
         };
         second.spawn()?;
@@ -148,8 +189,17 @@ impl Agent {
     pub fn spawn(&mut self) -> anyhow::Result<()> {
         self.starts += 1;
         let log = fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
-        let child = Command::new(crate::bin("ebpf-proxy"))
-            .arg("agent")
+        let mut command = Command::new(crate::bin("ebpf-proxy"));
+        command.arg("agent");
+        if let Some(netns) = &self.netns {
+            crate::topology::enter_netns_on_exec(&mut command, netns)?;
+        }
+        // The packet-level programs go only where a test asks for them, never on the host's
+        // own interfaces (the agent's default).
+        if !self.extra_args.iter().any(|a| a.starts_with("--interfaces")) {
+            command.arg("--interfaces=none");
+        }
+        let child = command
             .args(&self.source_args)
             .arg("--cgroup")
             .arg(&self.cgroup)
@@ -187,14 +237,14 @@ impl Agent {
     }
 
     pub fn is_healthy(&self) -> bool {
-        matches!(http_get(self.healthz_port, "/healthz"), Ok((200, _)))
+        matches!(self.get(false, "/healthz"), Ok((200, _)))
     }
 
     /// Waits until /healthz answers 200 (the agent has programmed the datapath at least once).
     pub fn wait_healthy(&mut self, timeout: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
-            if let Ok((200, _)) = http_get(self.healthz_port, "/healthz") {
+            if let Ok((200, _)) = self.get(false, "/healthz") {
                 return Ok(());
             }
             if let Some(child) = self.child.as_mut() {

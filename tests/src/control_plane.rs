@@ -78,6 +78,10 @@ pub struct ControlPlane {
     pub ca_cert: PathBuf,
     etcd: Option<Child>,
     apiserver: Option<Child>,
+    /// The node namespace the forwarders connect from.
+    node_netns: PathBuf,
+    /// The pod namespace etcd listens in (on its loopback).
+    etcd_netns: PathBuf,
     /// Kept to start the apiserver again: it enters the pod's namespace and the topology's cgroup.
     apiserver_cmd: Command,
     forwarder: Forwarder,
@@ -89,6 +93,11 @@ impl ControlPlane {
     /// Adds pod [`POD`] at 10.244.1.250 to `topology`, starts etcd (on 127.0.0.1 inside the pod)
     /// and kube-apiserver there, and waits until `/readyz` answers `ok`.
     pub fn start(topology: &mut Topology) -> anyhow::Result<Self> {
+        Self::start_with(topology, &[])
+    }
+
+    /// As [`ControlPlane::start`], with extra kube-apiserver flags (e.g. `--watch-cache=false`).
+    pub fn start_with(topology: &mut Topology, apiserver_args: &[&str]) -> anyhow::Result<Self> {
         let peers = peers_dir();
         topology.add_pod(POD, POD_HOST)?;
         let dir = std::env::temp_dir().join(format!("{}-{}-cp", crate::PREFIX, topology.id));
@@ -139,6 +148,7 @@ impl ControlPlane {
             .arg("--enable-priority-and-fairness=false")
             .arg("--profiling=false")
             .arg("--v=1")
+            .args(apiserver_args)
             .stdin(Stdio::null())
             .stdout(log_file(&dir.join("kube-apiserver.log"))?)
             .stderr(log_file(&dir.join("kube-apiserver.log"))?);
@@ -170,6 +180,8 @@ impl ControlPlane {
             etcd,
             apiserver,
             apiserver_cmd,
+            node_netns: topology.node.path(),
+            etcd_netns: topology.pod(POD).netns.path(),
             forwarder,
             client,
             runtime,
@@ -194,6 +206,46 @@ impl ControlPlane {
     /// Runs a future on this control plane's runtime (for the async `kube` API in sync tests).
     pub fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
         self.runtime.block_on(future)
+    }
+
+    /// A second way in to the same API server: its own loopback forwarder and an admin
+    /// kubeconfig `<dir>/<name>.kubeconfig` for it. Black-holing it cuts off only the client that
+    /// uses it (e.g. the agent) while the test keeps changing objects through [`Self::url`].
+    pub fn extra_access(&self, name: &str) -> anyhow::Result<(Forwarder, PathBuf)> {
+        let forwarder = Forwarder::start(&self.node_netns, SocketAddr::from((APISERVER_IP, APISERVER_PORT)))?;
+        let path = self.admin_kubeconfig_for(name, &format!("https://{}", forwarder.addr()))?;
+        Ok((forwarder, path))
+    }
+
+    /// An admin kubeconfig `<dir>/<name>.kubeconfig` that names the API server's own address
+    /// (10.244.1.250), for clients inside the topology's node namespace (no forwarder between).
+    pub fn direct_kubeconfig(&self, name: &str) -> anyhow::Result<PathBuf> {
+        self.admin_kubeconfig_for(name, &format!("https://{APISERVER_IP}:{APISERVER_PORT}"))
+    }
+
+    /// The admin kubeconfig with another server URL, as `<dir>/<name>.kubeconfig`.
+    fn admin_kubeconfig_for(&self, name: &str, url: &str) -> anyhow::Result<PathBuf> {
+        let admin = fs::read_to_string(&self.admin_kubeconfig)?;
+        anyhow::ensure!(admin.contains(&self.url), "admin kubeconfig does not name {}", self.url);
+        let path = self.dir.join(format!("{name}.kubeconfig"));
+        fs::write(&path, admin.replace(&self.url, url))?;
+        Ok(path)
+    }
+
+    /// Compacts etcd's history up to its current revision (as the API server's periodic
+    /// compaction does, only now): a watch that resumes from an older resource version and is
+    /// not served from the API server's watch cache gets `410 Gone`. Returns the revision.
+    pub fn compact_etcd(&self) -> anyhow::Result<u64> {
+        // etcd's JSON gateway on its loopback, reached through a forwarder into the pod.
+        let etcd = Forwarder::start(&self.etcd_netns, SocketAddr::from((Ipv4Addr::LOCALHOST, 2379)))?;
+        // Any key: the answer's header carries the current revision.
+        let range = etcd_post(etcd.addr(), "/v3/kv/range", r#"{"key":"AA=="}"#)?;
+        let revision: u64 = range["header"]["revision"]
+            .as_str()
+            .and_then(|r| r.parse().ok())
+            .with_context(|| format!("no revision in etcd's answer {range}"))?;
+        etcd_post(etcd.addr(), "/v3/kv/compaction", &format!(r#"{{"revision":"{revision}","physical":true}}"#))?;
+        Ok(revision)
     }
 
     /// The forwarder behind [`ControlPlane::url`], e.g. to black-hole the API.
@@ -568,4 +620,37 @@ mod tests {
         assert_eq!(describe(&objects[1]), "EndpointSlice web-1");
         assert!(parse_objects("kind: [").is_err());
     }
+}
+
+/// One HTTP/1.1 POST with a JSON body to etcd's gateway; the answer's JSON body.
+fn etcd_post(addr: SocketAddr, path: &str, body: &str) -> anyhow::Result<serde_json::Value> {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(addr).with_context(|| format!("connecting to etcd via {addr}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        stream,
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).context("reading etcd's answer")?;
+    let (head, body) = answer.split_once("\r\n\r\n").with_context(|| format!("malformed answer from etcd: {answer}"))?;
+    anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "etcd {path}: {head}\n{body}");
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        // Size line, data, CRLF, ..., "0".
+        let mut data = String::new();
+        let mut rest = body;
+        while let Some((size, after)) = rest.split_once("\r\n") {
+            let size = usize::from_str_radix(size.trim(), 16).with_context(|| format!("bad chunk in {body}"))?;
+            if size == 0 || after.len() < size {
+                break;
+            }
+            data.push_str(&after[..size]);
+            rest = after[size..].trim_start_matches("\r\n");
+        }
+        data
+    } else {
+        body.to_owned()
+    };
+    serde_json::from_str(body.trim()).with_context(|| format!("etcd {path} answered {body}"))
 }

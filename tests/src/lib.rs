@@ -10,15 +10,19 @@
 //! - [`control_plane`]: real etcd + kube-apiserver (from `cargo xtask peers`, `$EPX_PEERS_DIR`)
 //!   in a pod of a topology, reachable from the host's loopback, with blocking apply/delete.
 //! - [`forward`]: a TCP forwarder from the host's loopback into a namespace, which can black-hole.
+//! - [`packet`]: hand-built Ethernet/IPv4/TCP/UDP frames and a checksum-verifying reader.
+//! - [`bpf_test_run`]: the built TC programs run on such frames with `BPF_PROG_TEST_RUN`.
 //!
 //! Everything is created with unique names and removed on drop, also when a test fails. Traffic
 //! never leaves the namespaces created here.
 
 pub mod agent;
+pub mod bpf_test_run;
 pub mod control_plane;
 pub mod forward;
 pub mod probe;
 pub mod kube_scenario;
+pub mod packet;
 pub mod scenario;
 pub mod topology;
 
@@ -45,6 +49,16 @@ pub fn bin_dir() -> PathBuf {
 pub fn bin(name: &str) -> PathBuf {
     let path = bin_dir().join(name);
     assert!(path.exists(), "{} is missing: build with `cargo xtask build` (or run `cargo xtask test`)", path.display());
+    path
+}
+
+/// The eBPF object with changed code that `cargo xtask build` leaves for the upgrade test:
+/// `$EPX_EBPF_UPGRADE_OBJECT`, else `target/bpf/proxy-ebpf-upgrade.o`.
+pub fn upgrade_object() -> PathBuf {
+    let path = std::env::var_os("EPX_EBPF_UPGRADE_OBJECT").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bpf/proxy-ebpf-upgrade.o")
+    });
+    assert!(path.exists(), "{} is missing: build with `cargo xtask build`", path.display());
     path
 }
 

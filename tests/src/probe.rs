@@ -62,8 +62,20 @@ impl SteadyTraffic {
         streams: u32,
         duration: std::time::Duration,
     ) -> anyhow::Result<Self> {
-        let child = topology
-            .command_in(pod, &crate::bin("epx-probe"))?
+        Self::start_with(topology.command_in(pod, &crate::bin("epx-probe"))?, tcp, udp, rate, streams, duration)
+    }
+
+    /// As [`SteadyTraffic::start`], with `command` (an `epx-probe` command placed wherever the
+    /// caller needs it, e.g. [`crate::topology::ExternalClient::command`]).
+    pub fn start_with(
+        mut command: std::process::Command,
+        tcp: &str,
+        udp: &str,
+        rate: u32,
+        streams: u32,
+        duration: std::time::Duration,
+    ) -> anyhow::Result<Self> {
+        let child = command
             .args(["steady", "--tcp", tcp, "--udp", udp])
             .args(["--rate", &rate.to_string(), "--streams", &streams.to_string()])
             .args(["--duration-ms", &duration.as_millis().to_string()])
@@ -127,8 +139,13 @@ pub fn serve(topology: &Topology, pod: &str, name: &str, tcp: &[u16], udp: &[u16
 
 /// Runs a client (`tcp` or `udp`) in `pod` against `to` (`ip:port`) and returns its summary.
 pub fn client(topology: &Topology, pod: &str, kind: &str, to: &str, count: u32) -> anyhow::Result<Summary> {
-    let output = topology
-        .command_in(pod, &crate::bin("epx-probe"))?
+    client_with(topology.command_in(pod, &crate::bin("epx-probe"))?, kind, to, count)
+}
+
+/// As [`client`], with `command` (an `epx-probe` command placed wherever the caller needs it,
+/// e.g. [`crate::topology::ExternalClient::command`]).
+pub fn client_with(mut command: std::process::Command, kind: &str, to: &str, count: u32) -> anyhow::Result<Summary> {
+    let output = command
         .args([kind, "--to", to, "--count", &count.to_string()])
         .stderr(Stdio::inherit())
         .output()

@@ -3,6 +3,11 @@
 //! ```text
 //!   pod netns (eth0 10.244.1.N/24) ──veth── node netns (br0 10.244.1.1/24) ──veth── pod netns
 //! ```
+//! [`Topology::add_remote_pod`] adds a pod on a second node (its own namespace and link).
+//! An [`ExternalClient`] is a namespace outside the node, linked to the node namespace by its own
+//! veth (`ext0` 192.168.240.1/24 on the node, `eth0` 192.168.240.2/24 in the client): traffic
+//! that reaches the node from outside, as NodePort/externalIP/LoadBalancer traffic does.
+//!
 //! Nothing is configured in the host's own namespace: the only host-side objects are the
 //! namespace files, one cgroup directory, and (via the agent) one bpffs directory.
 
@@ -172,6 +177,117 @@ impl Topology {
             });
         }
         Ok(cmd)
+    }
+}
+
+/// Runs `f` on a thread that has entered the network namespace at `netns` (only that thread
+/// changes namespace), and returns its result.
+pub fn in_netns<T: Send>(netns: &Path, f: impl FnOnce() -> T + Send) -> std::io::Result<T> {
+    let file = File::open(netns)?;
+    std::thread::scope(|scope| {
+        scope
+            .spawn(move || {
+                // SAFETY: setns(2) on a namespace file we hold open; affects this thread only.
+                if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(f())
+            })
+            .join()
+            .map_err(|_| std::io::Error::other("thread in the namespace panicked"))?
+    })
+}
+
+/// Makes `cmd` run inside the network namespace at `netns` (setns between fork and exec, so
+/// mounts such as /sys/fs/bpf and the cgroup tree stay as they are, unlike `ip netns exec`).
+pub fn enter_netns_on_exec(cmd: &mut Command, netns: &Path) -> std::io::Result<()> {
+    let file = File::open(netns)?;
+    // SAFETY: only setns (async-signal-safe) between fork and exec; the file stays open in the
+    // closure until exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(())
+}
+
+/// A client outside the node (see the module docs). Its processes are in no load-balanced
+/// cgroup: whatever reaches the node from here is translated by the node's packet-level programs
+/// or not at all.
+pub struct ExternalClient {
+    pub netns: Netns,
+    /// The client's address.
+    pub ip: String,
+    /// The node's address on the link to this client (a NodePort address).
+    pub node_ip: String,
+    /// The node's interface towards this client.
+    pub node_interface: String,
+}
+
+impl ExternalClient {
+    /// Routes `cidr` (addresses that are not on the link, such as externalIPs or LoadBalancer
+    /// IPs) through the node, inside the client's namespace.
+    pub fn route_via_node(&self, cidr: &str) -> anyhow::Result<()> {
+        self.netns.exec(&["ip", "route", "add", cidr, "via", &self.node_ip]).map(|_| ())
+    }
+
+    /// A command that runs inside the client's namespace.
+    pub fn command(&self, program: &Path) -> anyhow::Result<Command> {
+        let mut cmd = Command::new(program);
+        enter_netns_on_exec(&mut cmd, &self.netns.path())?;
+        Ok(cmd)
+    }
+}
+
+impl Topology {
+    /// Adds an external client named `name`, linked to the node by `ext0`, and lets the node
+    /// forward between that link and its pods (inside the node namespace only).
+    pub fn add_external_client(&self, name: &str) -> anyhow::Result<ExternalClient> {
+        let netns = Netns::create(&format!("{}-{}-{name}", crate::PREFIX, self.id))?;
+        let node_interface = "ext0";
+        self.node.exec(&["ip", "link", "add", node_interface, "type", "veth", "peer", "name", "eth0", "netns", &netns.name])?;
+        self.node.exec(&["ip", "addr", "add", "192.168.240.1/24", "dev", node_interface])?;
+        self.node.exec(&["ip", "link", "set", node_interface, "up"])?;
+        self.node.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
+        netns.exec(&["ip", "addr", "add", "192.168.240.2/24", "dev", "eth0"])?;
+        netns.exec(&["ip", "link", "set", "eth0", "up"])?;
+        Ok(ExternalClient {
+            netns,
+            ip: "192.168.240.2".into(),
+            node_ip: "192.168.240.1".into(),
+            node_interface: node_interface.into(),
+        })
+    }
+}
+
+impl Topology {
+    /// Adds a pod named `name` on "another node": one namespace that is both that node and its
+    /// pod (address 10.244.2.`host` on its loopback), reached from this node through its own link
+    /// (`n2` 192.168.250.1/24 here, 192.168.250.2/24 there) by a route for 10.244.2.0/24. That
+    /// node routes back only to `reachable` (CIDRs via this node): what it answers must be
+    /// addressed to those.
+    pub fn add_remote_pod(&mut self, name: &str, host: u8, reachable: &[&str]) -> anyhow::Result<&Pod> {
+        let netns = Netns::create(&format!("{}-{}-{name}", crate::PREFIX, self.id))?;
+        let ip = format!("10.244.2.{host}");
+        self.node.exec(&["ip", "link", "add", "n2", "type", "veth", "peer", "name", "eth0", "netns", &netns.name])?;
+        self.node.exec(&["ip", "addr", "add", "192.168.250.1/24", "dev", "n2"])?;
+        self.node.exec(&["ip", "link", "set", "n2", "up"])?;
+        self.node.exec(&["ip", "route", "add", "10.244.2.0/24", "via", "192.168.250.2"])?;
+        self.node.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
+        netns.exec(&["ip", "addr", "add", "192.168.250.2/24", "dev", "eth0"])?;
+        netns.exec(&["ip", "link", "set", "eth0", "up"])?;
+        netns.exec(&["ip", "addr", "add", &format!("{ip}/32"), "dev", "lo"])?;
+        for cidr in reachable {
+            // From the pod address, as from a pod whose only interface holds it (a UDP server
+            // bound to 0.0.0.0 answers from the route's source).
+            netns.exec(&["ip", "route", "add", cidr, "via", "192.168.250.1", "src", &ip])?;
+        }
+        self.pods.push(Pod { name: name.to_owned(), ip, netns });
+        Ok(self.pods.last().expect("just pushed"))
     }
 }
 

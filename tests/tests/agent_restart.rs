@@ -14,20 +14,19 @@ fn sync_writes(log: &str) -> Vec<u64> {
         .collect()
 }
 
+/// 50 short TCP connections and UDP requests per second plus 2 streams to the web Service, for
+/// `duration`; returns once the traffic has been running for half a second.
+fn steady_traffic(env: &Env, duration: Duration) -> SteadyTraffic {
+    let traffic = SteadyTraffic::start(&env.topo, "client", &format!("{VIP}:80"), &format!("{VIP}:53"), 50, 2, duration)
+        .expect("steady traffic");
+    std::thread::sleep(Duration::from_millis(500));
+    traffic
+}
+
 #[test]
 fn sigkill_and_restart_ten_times_fails_no_connection_and_rewrites_nothing() {
     let mut env = Env::new();
-    let traffic = SteadyTraffic::start(
-        &env.topo,
-        "client",
-        &format!("{VIP}:80"),
-        &format!("{VIP}:53"),
-        50,
-        2,
-        Duration::from_secs(8),
-    )
-    .expect("steady traffic");
-    std::thread::sleep(Duration::from_millis(500));
+    let traffic = steady_traffic(&env, Duration::from_secs(8));
     for _ in 0..10 {
         env.agent.kill().expect("SIGKILL");
         std::thread::sleep(Duration::from_millis(100));
@@ -45,6 +44,50 @@ fn sigkill_and_restart_ten_times_fails_no_connection_and_rewrites_nothing() {
     let writes = sync_writes(&env.agent.log_text());
     assert_eq!(writes.len(), 11, "{writes:?}");
     assert!(writes[0] > 0 && writes[1..].iter().all(|w| *w == 0), "{writes:?}");
+}
+
+/// `program=NAME old_tag=... new_tag=...` of every "upgraded the program" log line.
+fn upgrades(log: &str) -> Vec<(String, String, String)> {
+    let field = |line: &str, name: &str| {
+        line.split(&format!("{name}=")).nth(1).and_then(|rest| rest.split_whitespace().next()).unwrap_or("").trim_matches('"').to_owned()
+    };
+    log.lines()
+        .filter(|l| l.contains("upgraded the program inside the pinned link"))
+        .map(|l| (field(l, "program"), field(l, "old_tag"), field(l, "new_tag")))
+        .collect()
+}
+
+#[test]
+fn an_upgrade_to_changed_programs_and_back_fails_no_connection() {
+    let mut env = Env::new();
+    let traffic = steady_traffic(&env, Duration::from_secs(6));
+
+    // Upgrade as a DaemonSet rollout does it: the old agent gets SIGTERM, the new one starts with
+    // other program code and swaps it into the pinned links.
+    env.agent.stop().expect("SIGTERM old agent");
+    env.agent.extra_args = vec!["--bpf-object".into(), e2e::upgrade_object().display().to_string()];
+    env.agent.restart().expect("upgraded agent");
+    let upgraded = upgrades(&env.agent.log_text());
+    std::thread::sleep(Duration::from_secs(2));
+    // Roll back to the built-in programs.
+    env.agent.stop().expect("SIGTERM upgraded agent");
+    env.agent.extra_args.clear();
+    env.agent.restart().expect("rolled-back agent");
+    let seen = traffic.finish().expect("traffic result");
+    eprintln!("{seen:?}");
+
+    assert!(
+        upgraded.iter().any(|(program, old, new)| program == "epx_connect4" && old != new && old != "unknown"),
+        "the connect program must have been replaced by different code: {upgraded:?}\n{}",
+        env.agent.log_text()
+    );
+    let all = upgrades(&env.agent.log_text());
+    assert!(all.len() > upgraded.len(), "the rollback must swap the programs back: {all:?}");
+    assert_eq!(seen.failed(), 0, "failed connections during upgrade and rollback: {seen:?}");
+    assert!(seen.tcp.ok >= 200 && seen.udp.ok >= 200, "traffic did not really run: {seen:?}");
+    assert_eq!(seen.streams.ok, 2, "long-lived streams must survive: {seen:?}");
+    // The maps were kept: neither start rewrote anything.
+    assert_eq!(sync_writes(&env.agent.log_text())[1..], [0, 0]);
 }
 
 #[test]

@@ -89,3 +89,135 @@ fn changes_made_while_the_agent_is_down_are_applied_when_it_returns() {
     let web = env.tcp(&format!("{VIP}:80"), 50);
     assert_eq!((web.failed, web.answered_by("be2")), (0, 0), "{web:?}");
 }
+
+#[test]
+fn changes_made_while_the_api_is_black_holed_for_the_agent_are_applied_when_it_answers() {
+    let env = KubeEnv::with_agent_access();
+    env.api
+        .apply(&format!("{}---\n{}", service("other", OTHER_VIP), slice("other", &["10.244.1.12"])))
+        .expect("create other");
+    env.within(Duration::from_secs(1), "creating Service other", |e| e.frontends().contains(&format!("{OTHER_VIP}:80/TCP")));
+    let traffic = SteadyTraffic::start(&env.topo, "client", &format!("{VIP}:80"), &format!("{VIP}:53"), 20, 2, Duration::from_secs(40))
+        .expect("steady traffic");
+
+    // Only the agent's packets to the API vanish; the API itself works for everybody else.
+    env.agent_access.as_ref().expect("agent access").set_blackhole(true);
+    let stale = wait_healthz(&env, 503, Duration::from_secs(20));
+    eprintln!("black hole seen: {stale}");
+    env.api.apply(&slice("web", &["10.244.1.11"])).expect("remove be2 from web");
+    env.api.delete("v1", "Service", "demo", "other").expect("delete other");
+    // The agent cannot know yet: it keeps serving its last state, both backends included.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(env.frontends().contains(&format!("{OTHER_VIP}:80/TCP")), "{:?}", env.frontends());
+
+    env.agent_access.as_ref().expect("agent access").set_blackhole(false);
+    let took = env.within(Duration::from_secs(30), "applying the changes made during the black hole", |e| {
+        !e.frontends().iter().any(|f| f.starts_with(OTHER_VIP)) && e.backends_of(&format!("{VIP}:80")) == ["10.244.1.11:8080"]
+    });
+    eprintln!("changes applied {took:?} after the black hole ended");
+    wait_healthz(&env, 200, Duration::from_secs(30));
+    let web = env.tcp(&format!("{VIP}:80"), 50);
+    assert_eq!((web.failed, web.answered_by("be2")), (0, 0), "be2 must be gone from web: {web:?}");
+
+    let seen = traffic.finish().expect("traffic");
+    eprintln!("{seen:?}");
+    assert_eq!(seen.failed(), 0, "connections failed around the black hole: {seen:?}");
+    assert_eq!(seen.streams.ok, 2, "long-lived streams must survive: {seen:?}");
+}
+
+/// Frontend count of the datapath, sampled every few milliseconds on a thread until stopped.
+struct FrontendSampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<usize>>,
+}
+
+impl FrontendSampler {
+    fn start(bpffs: std::path::PathBuf) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut counts = Vec::new();
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                let dump = e2e::agent::dump(&bpffs).expect("dump");
+                counts.push(dump["services"].as_array().map_or(0, Vec::len));
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            counts
+        });
+        Self { stop, thread }
+    }
+
+    fn finish(self) -> Vec<usize> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("sampler")
+    }
+}
+
+/// What kube-apiserver answers a watch from a compacted resource version (410, reason Expired).
+const EXPIRED: &str = "The resourceVersion for the provided watch is too old";
+
+#[test]
+fn an_expired_watch_410_gone_relists_without_removing_any_service() {
+    // Without the API server's watch cache, watches are served by etcd, so a watch that resumes
+    // from a compacted resource version gets `410 Gone`, as after a long disconnection in a
+    // real cluster.
+    let env = KubeEnv::with_apiserver_args(&["--watch-cache=false"]);
+    let mut objects = Vec::new();
+    for i in 1..=10 {
+        let name = format!("svc{i}");
+        objects.push(service(&name, &format!("10.96.1.{i}")));
+        objects.push(slice(&name, &["10.244.1.11", "10.244.1.12"]));
+    }
+    env.api.apply(&objects.join("---\n")).expect("create 10 Services");
+    env.within(Duration::from_secs(5), "programming 10 more Services", |e| {
+        (1..=10).all(|i| e.frontends().contains(&format!("10.96.1.{i}:53/UDP")))
+    });
+    let expected = env.agent.dump().expect("dump")["services"].as_array().map_or(0, Vec::len);
+    let synced_before = env.agent.log_text().lines().filter(|l| l.contains(" synced ")).count();
+
+    // Writes the agent does not watch move etcd's revision past its watches' resource versions;
+    // compaction then forgets them. Each watch ends at its timeout (30 s) and resumes: 410.
+    for i in 0..5 {
+        env.api
+            .apply(&format!("apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: bump, namespace: demo}}\ndata: {{a: \"{i}\"}}\n"))
+            .expect("bump the revision");
+    }
+    let revision = env.api.compact_etcd().expect("compact etcd");
+    eprintln!("etcd compacted at revision {revision}");
+    let sampler = FrontendSampler::start(env.agent.bpffs.clone());
+    env.within(Duration::from_secs(45), "a 410 Gone and the relist after it", |e| {
+        let log = e.agent.log_text();
+        let gone = log.find(EXPIRED);
+        gone.is_some_and(|at| log[at..].contains("every watch is confirmed again"))
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    let counts = sampler.finish();
+
+    let log = env.agent.log_text();
+    for line in log.lines().filter(|l| l.contains("watch failed")) {
+        eprintln!("{line}");
+    }
+    assert!(
+        log.lines().any(|l| l.contains("watch failed") && l.contains(EXPIRED)),
+        "the agent's watches did not expire, so this test proved nothing:\n{log}"
+    );
+    assert!(counts.len() > 50, "too few samples: {}", counts.len());
+    assert!(
+        counts.iter().all(|c| *c == expected),
+        "a Service was transiently removed during the relist: min {:?} of {expected}",
+        counts.iter().min()
+    );
+    // Every sync after the relist found the datapath right: nothing was deleted and re-added.
+    let writes: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" synced "))
+        .skip(synced_before)
+        .filter_map(|l| l.split("writes=").nth(1)?.split_whitespace().next())
+        .collect();
+    assert!(writes.iter().all(|w| *w == "0"), "the relist rewrote the datapath: {writes:?}");
+    // And the relisted watches work: a change after it still arrives.
+    env.api.delete("v1", "Service", "demo", "svc1").expect("delete svc1");
+    env.within(Duration::from_secs(2), "deleting svc1 after the relist", |e| {
+        !e.frontends().iter().any(|f| f.starts_with("10.96.1.1:"))
+    });
+}

@@ -12,8 +12,9 @@ fn a_full_service_map_names_the_service_that_did_not_fit_and_keeps_the_others() 
     let dir = AgentDir::new(&topo.id).expect("agent dir");
     let base = manifest(&["10.244.1.11", "10.244.1.12"]);
     dir.write_manifest(&base).expect("manifest");
-    // web: 2 frontends x (slot 0 + 2 backends) = 6 entries, empty: 1 entry; room for 1 more.
-    let agent = Agent::start_file_with_args(&topo, &dir, &["--map-size-services=8"]).expect("agent");
+    // Every frontend has an internal and an external entry. web: 2 frontends x 2 scopes x
+    // (slot 0 + 2 backends) = 12 entries, empty: 2 x slot 0 = 2; room for 1 more.
+    let agent = Agent::start_file_with_args(&topo, &dir, &["--map-size-services=15"]).expect("agent");
 
     let big = r#"---
 apiVersion: v1
@@ -44,7 +45,7 @@ ports: [{name: http, port: 8080, protocol: TCP}]
     let dump = agent.dump().expect("dump");
     let services = dump["services"].as_array().expect("services");
     assert!(!services.iter().any(|s| s["ip"] == "10.96.0.40"), "a half-built Service must not be visible: {dump}");
-    assert_eq!(services.len(), 3, "{dump}");
+    assert_eq!(services.len(), 6, "{dump}");
     let web = e2e::probe::tcp(&topo, "client", &format!("{VIP}:80"), 50).expect("probe");
     assert_eq!(web.failed, 0, "the Services that fit keep working: {web:?}");
     assert!(web.answered_by("be1") > 0 && web.answered_by("be2") > 0, "{web:?}");

@@ -3,29 +3,42 @@
 
 use std::time::Duration;
 
-use e2e::agent::http_get;
-use e2e::kube_scenario::{KubeEnv, VIP};
+use e2e::kube_scenario::{node_port_service, slice, KubeEnv, NODE_IP, OTHER_VIP, VIP};
 use e2e::probe;
 
 fn healthz(env: &KubeEnv) -> (u16, serde_json::Value) {
-    let (status, body) = http_get(env.agent.healthz_port, "/healthz").expect("healthz");
+    let (status, body) = env.agent.get(false, "/healthz").expect("healthz");
     (status, serde_json::from_str(&body).expect("healthz json"))
 }
 
+const NODE_PORT: u16 = 30080;
+
 #[test]
 fn reboot_during_an_api_outage_restores_services_from_the_checkpoint() {
-    let mut env = KubeEnv::new();
+    let mut env = KubeEnv::in_node();
+    env.api
+        .apply(&format!("{}---\n{}", node_port_service("np", OTHER_VIP, NODE_PORT), slice("np", &["10.244.1.11", "10.244.1.12"])))
+        .expect("NodePort Service");
+    let node_port = format!("{NODE_IP}:{NODE_PORT}");
+    env.within(Duration::from_secs(2), "programming the NodePort", |e| e.frontends().contains(&format!("{node_port}/TCP")));
+    // The checkpoint is written after the sync that programmed it.
+    std::thread::sleep(Duration::from_millis(500));
+
     env.api.stop_apiserver().expect("API down");
     env.agent.simulate_reboot().expect("reboot");
     let down = probe::tcp(&env.topo, "client", &format!("{VIP}:80"), 3).expect("probe");
     assert_eq!(down.ok, 0, "with an empty bpffs nothing translates the VIP: {down:?}");
 
     env.agent.spawn().expect("agent starts after the reboot");
-    // One second after the agent process started, with no API server, the ClusterIP must answer.
+    // One second after the agent process started, with no API server, the ClusterIP and the
+    // NodePort must answer.
     std::thread::sleep(Duration::from_secs(1));
     let summary = probe::tcp(&env.topo, "client", &format!("{VIP}:80"), 50).expect("probe");
     assert_eq!(summary.failed, 0, "{summary:?}");
     assert!(summary.answered_by("be1") > 0 && summary.answered_by("be2") > 0, "{summary:?}");
+    let tcp = probe::tcp(&env.topo, "client", &node_port, 20).expect("NodePort TCP probe");
+    let udp = probe::udp(&env.topo, "client", &format!("{NODE_IP}:{}", NODE_PORT + 1), 20).expect("NodePort UDP probe");
+    assert_eq!((tcp.failed, udp.failed), (0, 0), "NodePort after the reboot: {tcp:?} {udp:?}");
     assert!(env.agent.log_text().contains("restored it from the checkpoint"), "{}", env.agent.log_text());
     let (status, body) = healthz(&env);
     assert_eq!((status, &body["restoredFromCheckpoint"]), (503, &serde_json::json!(true)), "{body}");

@@ -70,7 +70,8 @@ fn dump_shows_the_same_state_with_the_agent_stopped_and_traffic_still_flows() {
     let mut env = Env::new();
     let running = env.agent.dump().expect("dump");
     let services = running["services"].as_array().expect("services").clone();
-    assert_eq!(services.len(), 3, "{running}");
+    // web TCP, web UDP and empty, each with an internal and an external entry.
+    assert_eq!(services.len(), 6, "{running}");
     let web_tcp = services.iter().find(|s| s["ip"] == VIP && s["protocol"] == "TCP").expect("web tcp");
     let backends: Vec<&str> = web_tcp["backends"].as_array().unwrap().iter().map(|b| b["ip"].as_str().unwrap()).collect();
     assert_eq!(backends, ["10.244.1.11", "10.244.1.12"]);

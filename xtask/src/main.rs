@@ -7,6 +7,7 @@ mod cluster;
 mod demo;
 mod peers;
 mod setup;
+mod vm;
 
 use std::path::{Path, PathBuf};
 use std::io::{BufRead, BufReader};
@@ -38,6 +39,20 @@ enum Task {
     Demo,
     /// Build kube-apiserver, kube-proxy and etcd from their Go modules into the cache.
     Peers,
+    /// The end-to-end tests that need no API server, on another kernel in a QEMU VM (TCG).
+    VmTest {
+        /// Kernel series to boot: Debian 12's linux-image-cloud-amd64 (downloaded, not installed).
+        #[arg(long, default_value = "6.1")]
+        kernel: String,
+        /// Give up on the whole VM run after this many seconds.
+        #[arg(long, default_value_t = 1200)]
+        timeout: u64,
+        /// e2e test binaries to run (default: those that need no kube-apiserver).
+        tests: Vec<String>,
+        /// Extra arguments for the test binaries (e.g. a test name filter).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
     /// A local control plane (etcd + kube-apiserver) in a network namespace, with a kubeconfig.
     Cluster {
         #[command(subcommand)]
@@ -75,6 +90,11 @@ pub fn ebpf_object() -> PathBuf {
     workspace_root().join("target/bpf/bpfel-unknown-none/release/proxy-ebpf")
 }
 
+/// The same programs with different code (`EPX_EBPF_VARIANT`), for the upgrade test.
+pub fn upgrade_object() -> PathBuf {
+    workspace_root().join("target/bpf/proxy-ebpf-upgrade.o")
+}
+
 fn build() -> anyhow::Result<()> {
     setup::ensure()?;
     let root = workspace_root();
@@ -88,14 +108,19 @@ fn build() -> anyhow::Result<()> {
             cargo.env_remove(key);
         }
     }
-    run(cargo
+    cargo
         .current_dir(&root)
         .env("PATH", path)
         .env("RUSTC", setup::DEBIAN_RUSTC)
         .env("RUSTC_BOOTSTRAP", "1")
         .env("CARGO_TARGET_DIR", root.join("target/bpf"))
         .env("RUSTFLAGS", "--cfg bpf_target_arch=\"x86_64\" -C debuginfo=2 -C link-arg=--btf")
-        .args(["build", "--package", "proxy-ebpf", "--release", "-Z", "build-std=core", "--target", "bpfel-unknown-none"]))?;
+        .args(["build", "--package", "proxy-ebpf", "--release", "-Z", "build-std=core", "--target", "bpfel-unknown-none"]);
+    // The upgrade test needs a second object whose programs differ in code but not in behaviour
+    // (`EPX_EBPF_VARIANT`, see proxy-ebpf). Only the proxy-ebpf crate rebuilds, not core.
+    run(cargo.env("EPX_EBPF_VARIANT", "upgrade-test"))?;
+    std::fs::copy(ebpf_object(), upgrade_object())?;
+    run(cargo.env_remove("EPX_EBPF_VARIANT"))?;
 
     step("building ebpf-proxy and the test tools (release)");
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
@@ -128,16 +153,9 @@ fn test(args: &[String]) -> anyhow::Result<()> {
     for line in BufReader::new(child.stdout.take().context("stdout")?).lines() {
         let line = line?;
         println!("{line}");
-        if let Some(result) = line.strip_prefix("test result: ") {
-            let count = |word: &str| -> u64 {
-                result
-                    .split(';')
-                    .find_map(|part| part.trim().trim_start_matches("ok. ").trim_start_matches("FAILED. ").strip_suffix(word))
-                    .and_then(|n| n.trim().parse().ok())
-                    .unwrap_or(0)
-            };
-            passed += count(" passed");
-            failed += count(" failed");
+        if let Some((p, f)) = result_counts(&line) {
+            passed += p;
+            failed += f;
         }
     }
     let status = child.wait()?;
@@ -147,6 +165,30 @@ fn test(args: &[String]) -> anyhow::Result<()> {
     }
     if passed == 0 {
         bail!("no test ran");
+    }
+    Ok(())
+}
+
+/// The passed and failed counts of a libtest `test result:` line.
+pub fn result_counts(line: &str) -> Option<(u64, u64)> {
+    let result = line.strip_prefix("test result: ")?;
+    let count = |word: &str| -> u64 {
+        result
+            .split(';')
+            .find_map(|part| part.trim().trim_start_matches("ok. ").trim_start_matches("FAILED. ").strip_suffix(word))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    Some((count(" passed"), count(" failed")))
+}
+
+fn vm_test(options: &vm::Options) -> anyhow::Result<()> {
+    build()?;
+    let report = vm::run_tests(options)?;
+    vm::print_summary(&report);
+    println!("\ntests: {} passed, {} failed", report.passed, report.failed);
+    if !report.ok || report.failed > 0 {
+        bail!("the tests on kernel {} failed", report.release);
     }
     Ok(())
 }
@@ -167,5 +209,8 @@ fn main() -> anyhow::Result<()> {
         }
         Task::Cluster { action: ClusterAction::Down } => cluster::down(),
         Task::Peers => peers::run().map(|dir| println!("{}", dir.display())),
+        Task::VmTest { kernel, timeout, tests, args } => {
+            vm_test(&vm::Options { kernel, tests, args, timeout: std::time::Duration::from_secs(timeout) })
+        }
     }
 }

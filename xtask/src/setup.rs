@@ -26,6 +26,11 @@ const PACKAGES: &[&str] = &[
     "openssl",
 ];
 
+/// Debian packages for `cargo xtask vm-test`: QEMU (TCG) boots the second kernel, kmod's depmod
+/// orders its modules; the kernel itself is downloaded with `apt-get download` and extracted,
+/// never installed.
+const VM_PACKAGES: &[&str] = &["qemu-system-x86", "kmod"];
+
 const BPF_LINKER_VERSION: &str = "0.13";
 
 fn is_root() -> bool {
@@ -71,17 +76,7 @@ pub fn ensure() -> anyhow::Result<()> {
             .context("bpffs is not mounted and could not be mounted at /sys/fs/bpf")?;
     }
 
-    let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
-    if missing.is_empty() {
-        eprintln!("setup: Debian packages present ({})", PACKAGES.join(", "));
-    } else {
-        step(&format!("installing Debian packages: {}", missing.join(" ")));
-        run(Command::new("apt-get").arg("update").arg("-q"))?;
-        run(Command::new("apt-get")
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .args(["install", "-y", "-q", "--no-install-recommends"])
-            .args(&missing))?;
-    }
+    install_missing(PACKAGES)?;
     for tool in [DEBIAN_CARGO, DEBIAN_RUSTC] {
         if !Path::new(tool).exists() {
             bail!("{tool} is missing although cargo-web/rustc-web are installed");
@@ -98,6 +93,26 @@ pub fn ensure() -> anyhow::Result<()> {
             .args(["--no-default-features", "--features", "llvm-22"]))?;
     }
     Ok(())
+}
+
+/// Installs those of `packages` that are missing, saying which.
+fn install_missing(packages: &[&str]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        eprintln!("setup: Debian packages present ({})", packages.join(", "));
+        return Ok(());
+    }
+    step(&format!("installing Debian packages: {}", missing.join(" ")));
+    run(Command::new("apt-get").arg("update").arg("-q"))?;
+    run(Command::new("apt-get")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(["install", "-y", "-q", "--no-install-recommends"])
+        .args(&missing))
+}
+
+/// What `cargo xtask vm-test` needs beyond `ensure`: QEMU. Idempotent.
+pub fn ensure_vm_tools() -> anyhow::Result<()> {
+    install_missing(VM_PACKAGES)
 }
 
 /// Removes namespaces, cgroups and bpffs directories left by an earlier test run that was killed

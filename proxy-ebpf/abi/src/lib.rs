@@ -15,9 +15,11 @@ pub mod map_name {
     pub const REV_NAT4: &str = "epx_revnat4_v1";
     pub const REV_SOCK4: &str = "epx_revsk4_v1";
     pub const STATS: &str = "epx_stats_v1";
+    pub const CT4: &str = "epx_ct4_v1";
+    pub const IFADDR4: &str = "epx_ifaddr4_v1";
 
     /// Every map the agent owns, in the order `dump` prints them.
-    pub const ALL: [&str; 5] = [SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS];
+    pub const ALL: [&str; 7] = [SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS, CT4, IFADDR4];
 }
 
 /// Default capacities; the agent can override each one at load time.
@@ -29,6 +31,10 @@ pub mod capacity {
     pub const REV_NAT4: u32 = 65_535;
     /// LRU: one entry per (socket, backend) that a local client connected or sent to.
     pub const REV_SOCK4: u32 = 262_144;
+    /// LRU: two entries (forward and reply) per flow translated by the packet-level datapath.
+    pub const CT4: u32 = 262_144;
+    /// One entry per interface the packet-level programs are attached to.
+    pub const IFADDR4: u32 = 1_024;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -43,6 +49,21 @@ pub const SCOPE_INTERNAL: u8 = 1;
 pub mod svc_flags {
     /// ClientIP session affinity is on; the timeout is in `backend_id` of slot 0.
     pub const AFFINITY: u8 = 1 << 0;
+    /// The frontend is a NodePort on one of the node's addresses.
+    pub const NODE_PORT: u8 = 1 << 1;
+    /// The frontend is one of the Service's `spec.externalIPs`.
+    pub const EXTERNAL_IP: u8 = 1 << 2;
+    /// The frontend is one of the Service's `status.loadBalancer.ingress` IPs.
+    pub const LOAD_BALANCER: u8 = 1 << 3;
+    /// A traffic policy (`externalTrafficPolicy`/`internalTrafficPolicy: Local`) limits this
+    /// entry to node-local backends: the client's source address must be preserved (no SNAT).
+    pub const LOCAL_ONLY: u8 = 1 << 4;
+}
+
+/// `Backend4::flags` bits.
+pub mod backend_flags {
+    /// The endpoint runs on this node (`nodeName` equals the agent's node): no SNAT needed.
+    pub const LOCAL: u8 = 1 << 0;
 }
 
 /// Key of the service map. Slot 0 is the frontend itself; slots `1..=count` name backends.
@@ -139,11 +160,156 @@ pub mod stat {
     pub const SOCK_REV_XLATE: u32 = 3;
     /// Failed to record the reverse translation (LRU update failed).
     pub const SOCK_REV_RECORD_FAIL: u32 = 4;
-    pub const COUNT: u32 = 5;
+    /// TC ingress: a packet to an external frontend was DNATed to a backend.
+    pub const TC_DNAT: u32 = 5;
+    /// TC ingress: the packet belonged to a tracked flow and kept that flow's backend.
+    pub const TC_CT_HIT: u32 = 6;
+    /// TC ingress: a new flow was tracked (first packet, or the old entry timed out).
+    pub const TC_CT_NEW: u32 = 7;
+    /// TC egress: a reply of a tracked flow was translated back to the frontend.
+    pub const TC_REV_NAT: u32 = 8;
+    /// TC ingress: a packet to a frontend without backends was answered with ICMP port
+    /// unreachable (as kube-proxy's REJECT; a TCP connect() fails with ECONNREFUSED).
+    pub const TC_NO_BACKEND_REJECT: u32 = 9;
+    /// TC ingress: a packet to a frontend without backends was dropped because no reply could be
+    /// built (IP options, or a helper failed).
+    pub const TC_NO_BACKEND_DROP: u32 = 10;
+    /// TC ingress: a slot or backend entry was missing (agent mid-update): dropped.
+    pub const TC_LOOKUP_MISS: u32 = 11;
+    /// TC ingress: the conntrack entry could not be written (the packet is still translated).
+    pub const TC_CT_RECORD_FAIL: u32 = 12;
+    /// A truncated or inconsistent IPv4/TCP/UDP header: passed untouched.
+    pub const TC_BAD_HEADER: u32 = 13;
+    /// An IPv4 fragment (first or not): passed untouched, its ports are not attributable.
+    pub const TC_FRAGMENT: u32 = 14;
+    /// A rewrite or checksum helper failed: the packet was dropped rather than sent half-rewritten.
+    pub const TC_REWRITE_FAIL: u32 = 15;
+    /// TC ingress: the backend is on another node and the frontend allows SNAT, but it is an
+    /// externalIP or LoadBalancer IP and the interface it arrived on has no IPv4 address in
+    /// `epx_ifaddr4_v1`: DNAT only, so replies must come back through this node.
+    pub const TC_REMOTE_BACKEND_NO_SNAT: u32 = 16;
+    /// TC ingress: a packet for a backend on another node was also SNATed to a node address (the
+    /// NodePort's, or that of the interface it arrived on) and sent towards that node.
+    pub const TC_SNAT: u32 = 17;
+    /// TC ingress: a reply to an SNATed flow came back and was sent on to the client.
+    pub const TC_SNAT_REPLY: u32 = 18;
+    /// TC ingress: no free SNAT source port after a few tries: dropped.
+    pub const TC_SNAT_NO_PORT: u32 = 19;
+    /// The route lookup for a packet the program must forward itself failed: dropped.
+    pub const TC_FIB_FAIL: u32 = 20;
+    /// TC ingress: an ICMP error about a translated flow (e.g. "fragmentation needed") was
+    /// translated, outer and quoted headers, and sent on to the backend or the client.
+    pub const TC_ICMP_ERROR_XLATE: u32 = 21;
+    pub const COUNT: u32 = 22;
 
-    pub const NAMES: [&str; COUNT as usize] =
-        ["sock_xlate", "sock_no_backend", "sock_lookup_miss", "sock_rev_xlate", "sock_rev_record_fail"];
+    pub const NAMES: [&str; COUNT as usize] = [
+        "sock_xlate",
+        "sock_no_backend",
+        "sock_lookup_miss",
+        "sock_rev_xlate",
+        "sock_rev_record_fail",
+        "tc_dnat",
+        "tc_ct_hit",
+        "tc_ct_new",
+        "tc_rev_nat",
+        "tc_no_backend_reject",
+        "tc_no_backend_drop",
+        "tc_lookup_miss",
+        "tc_ct_record_fail",
+        "tc_bad_header",
+        "tc_fragment",
+        "tc_rewrite_fail",
+        "tc_remote_backend_no_snat",
+        "tc_snat",
+        "tc_snat_reply",
+        "tc_snat_no_port",
+        "tc_fib_fail",
+        "tc_icmp_error_xlate",
+    ];
 }
+
+/// Connection tracking of the packet-level datapath (TC programs).
+pub mod ct {
+    /// `CtKey4::dir`: the tuple as the request arrived (client -> frontend).
+    pub const DIR_FORWARD: u8 = 0;
+    /// `CtKey4::dir`: the tuple as the reply leaves (backend -> client).
+    pub const DIR_REPLY: u8 = 1;
+
+    /// `CtEntry4::nat` bits.
+    pub const NAT_DNAT: u8 = 1 << 0;
+    /// The source was also rewritten to `snat_addr_be:snat_port_be` (backend on another node);
+    /// the reply entry is then keyed backend -> node address:SNAT port.
+    pub const NAT_SNAT: u8 = 1 << 1;
+
+    /// Source ports for SNAT: above Linux's default ephemeral range (32768-60999), so they do not
+    /// collide with the node's own connections.
+    pub const SNAT_PORT_MIN: u16 = 61_000;
+    pub const SNAT_PORT_MAX: u16 = 65_535;
+
+    /// `CtEntry4::tcp_seen` bits: what the flow has shown so far (drives the timeout).
+    pub const TCP_SYN: u8 = 1 << 0;
+    pub const TCP_FIN: u8 = 1 << 1;
+    pub const TCP_RST: u8 = 1 << 2;
+    /// A packet without SYN came after the SYN: the handshake went through.
+    pub const TCP_ESTABLISHED: u8 = 1 << 3;
+
+    /// Timeouts (nanoseconds since the last packet), as Cilium's defaults: a flow older than this
+    /// is new again and may get another backend.
+    pub const TIMEOUT_TCP_SYN_NS: u64 = 60 * 1_000_000_000;
+    pub const TIMEOUT_TCP_ESTABLISHED_NS: u64 = 21_600 * 1_000_000_000;
+    pub const TIMEOUT_TCP_CLOSING_NS: u64 = 10 * 1_000_000_000;
+    pub const TIMEOUT_NON_TCP_NS: u64 = 60 * 1_000_000_000;
+}
+
+/// The IPv4 address of each interface the TC programs are attached to (`epx_ifaddr4_v1`, keyed
+/// by ifindex): the SNAT source for externalIP and LoadBalancer traffic that arrived there.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct IfAddr4 {
+    pub addr_be: u32,
+}
+const _: () = assert!(size_of::<IfAddr4>() == 4);
+
+/// Key of the conntrack LRU: a 5-tuple as the node sees it, plus its direction.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub struct CtKey4 {
+    pub saddr_be: u32,
+    pub daddr_be: u32,
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub proto: u8,
+    pub dir: u8,
+    pub pad: [u8; 2],
+}
+const _: () = assert!(size_of::<CtKey4>() == 16);
+
+/// Value of the conntrack LRU. Forward entries (`ct::DIR_FORWARD`) say which backend the flow
+/// was sent to; reply entries (`ct::DIR_REPLY`) say which frontend the reply must come from.
+/// Both carry the whole translation so `dump` can print either.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct CtEntry4 {
+    pub backend_addr_be: u32,
+    pub frontend_addr_be: u32,
+    /// The client (SNATed flows only: their replies are addressed to the node).
+    pub client_addr_be: u32,
+    /// The node address the flow was SNATed to (SNATed flows only).
+    pub snat_addr_be: u32,
+    pub backend_port_be: u16,
+    pub frontend_port_be: u16,
+    pub client_port_be: u16,
+    pub snat_port_be: u16,
+    pub backend_id: u32,
+    pub rev_nat_id: u16,
+    /// `ct::NAT_*` bits.
+    pub nat: u8,
+    /// `ct::TCP_*` bits.
+    pub tcp_seen: u8,
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the last packet.
+    pub last_seen_ns: u64,
+}
+const _: () = assert!(size_of::<CtEntry4>() == 40);
 
 #[cfg(feature = "user")]
 mod pod {
@@ -156,4 +322,7 @@ mod pod {
     unsafe impl aya::Pod for RevNat4 {}
     unsafe impl aya::Pod for RevSockKey4 {}
     unsafe impl aya::Pod for RevSock4 {}
+    unsafe impl aya::Pod for CtKey4 {}
+    unsafe impl aya::Pod for CtEntry4 {}
+    unsafe impl aya::Pod for IfAddr4 {}
 }

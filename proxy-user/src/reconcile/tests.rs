@@ -1,30 +1,34 @@
 use std::collections::BTreeMap;
 
 use super::*;
-use crate::desired::{FrontendSpec, ServicePortName};
+use crate::desired::{Backend, FrontendSpec, ServicePortName};
 use crate::lbmap::FakeMaps;
 
 fn frontend(last: u8, port: u16, proto: Proto) -> Frontend {
-    Frontend { addr: Ipv4Addr::new(10, 96, 0, last), port, proto, scope: Scope::Internal }
+    Frontend { addr: IpAddr::V4(Ipv4Addr::new(10, 96, 0, last)), port, proto, scope: Scope::Internal }
 }
 
 fn backend(last: u8, port: u16, proto: Proto) -> BackendAddr {
-    BackendAddr { addr: Ipv4Addr::new(10, 244, 1, last), port, proto }
+    BackendAddr { addr: IpAddr::V4(Ipv4Addr::new(10, 244, 1, last)), port, proto }
+}
+
+fn spec(i: usize, backends: &[BackendAddr]) -> FrontendSpec {
+    let mut backends: Vec<Backend> = backends.iter().map(|addr| Backend { addr: *addr, local: false }).collect();
+    backends.sort();
+    backends.dedup();
+    FrontendSpec {
+        service: ServicePortName { namespace: "ns".into(), name: format!("svc{i}"), port: String::new() },
+        kind: FrontendKind::ClusterIp,
+        local_only: false,
+        affinity_timeout: None,
+        backends,
+    }
 }
 
 fn desired(entries: &[(Frontend, Vec<BackendAddr>)]) -> DesiredState {
     let mut state = DesiredState::default();
     for (i, (frontend, backends)) in entries.iter().enumerate() {
-        let mut backends = backends.clone();
-        backends.sort();
-        backends.dedup();
-        state.frontends.insert(
-            *frontend,
-            FrontendSpec {
-                service: ServicePortName { namespace: "ns".into(), name: format!("svc{i}"), port: String::new() },
-                backends,
-            },
-        );
+        state.frontends.insert(*frontend, spec(i, backends));
     }
     state
 }
@@ -41,14 +45,14 @@ fn observed(maps: &FakeMaps) -> BTreeMap<Frontend, Vec<BackendAddr>> {
         }
         backends.sort();
         let rev = maps.rev_nats[&value.rev_nat_id];
-        assert_eq!(rev, rev_nat_value(&frontend));
+        assert_eq!(Some(rev), rev_nat_value(&frontend));
         out.insert(frontend, backends);
     }
     out
 }
 
 fn expected(state: &DesiredState) -> BTreeMap<Frontend, Vec<BackendAddr>> {
-    state.frontends.iter().map(|(f, s)| (*f, s.backends.clone())).collect()
+    state.frontends.iter().map(|(f, s)| (*f, s.backends.iter().map(|b| b.addr).collect())).collect()
 }
 
 #[test]
@@ -80,7 +84,7 @@ fn no_endpoints_programs_a_frontend_with_zero_count() {
     let svc = frontend(11, 80, Proto::Tcp);
     let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
     reconciler.reconcile(&desired(&[(svc, vec![])]));
-    let slot0 = reconciler.maps().services[&service_key(&svc, 0)];
+    let slot0 = reconciler.maps().services[&service_key(&svc, 0).unwrap()];
     assert_eq!(slot0.count, 0, "the kernel must find the frontend to refuse it");
 }
 
@@ -153,11 +157,25 @@ fn random_state(rng: &mut Rng) -> DesiredState {
     for vip in 0..rng.below(6) as u8 {
         let proto = if rng.below(2) == 0 { Proto::Tcp } else { Proto::Udp };
         let backends = (0..rng.below(5)).map(|_| backend(rng.below(8) as u8, 8080, proto)).collect();
-        entries.push((frontend(vip, 80 + rng.below(2) as u16, proto), backends));
+        let mut frontend = frontend(vip, 80 + rng.below(2) as u16, proto);
+        if rng.below(3) == 0 {
+            frontend.scope = Scope::External;
+        }
+        entries.push((frontend, backends));
     }
     entries.sort_by_key(|(f, _)| *f);
     entries.dedup_by_key(|(f, _)| *f);
-    desired(&entries)
+    let mut state = desired(&entries);
+    // Flags and backend locality change at random too: each is an in-place update.
+    for spec in state.frontends.values_mut() {
+        spec.local_only = rng.below(2) == 0;
+        spec.affinity_timeout = (rng.below(2) == 0).then_some(10_800);
+        spec.kind = [FrontendKind::ClusterIp, FrontendKind::NodePort, FrontendKind::LoadBalancer][rng.below(3) as usize];
+        for backend in &mut spec.backends {
+            backend.local = backend.addr.addr == IpAddr::V4(Ipv4Addr::new(10, 244, 1, 1));
+        }
+    }
+    state
 }
 
 /// Long random sequences of desired states, with a write failure injected at a random point of
@@ -185,7 +203,92 @@ fn random_sequences_with_injected_failures_stay_consistent_and_converge() {
         let referenced: BTreeSet<_> =
             reconciler.maps.services.values().map(|v| v.backend_id).filter(|id| *id != 0).collect();
         assert!(reconciler.maps.backends.keys().all(|id| referenced.contains(id)), "round {round}: leaked backend");
-        assert_eq!(reconciler.maps.rev_nats.len(), state.frontends.len(), "round {round}: leaked rev-NAT");
+        for value in reconciler.maps.backends.values() {
+            let local = decode_backend(value).unwrap().addr == IpAddr::V4(Ipv4Addr::new(10, 244, 1, 1));
+            assert_eq!(value.flags, if local { backend_flags::LOCAL } else { 0 }, "round {round}: backend flags");
+        }
+        for (frontend, spec) in &state.frontends {
+            let value = reconciler.maps.services[&service_key(frontend, 0).unwrap()];
+            assert_eq!(value, slot0_value(spec, value.count, value.rev_nat_id), "round {round}: slot 0 of {frontend}");
+        }
+        let addresses: BTreeSet<_> = state.frontends.keys().map(|f| (f.addr, f.port, f.proto)).collect();
+        assert_eq!(reconciler.maps.rev_nats.len(), addresses.len(), "round {round}: leaked rev-NAT");
         assert!(reconciler.maps.violations.is_empty(), "round {round}: {:?}", reconciler.maps.violations);
     }
+}
+
+fn slot0(maps: &FakeMaps, frontend: &Frontend) -> ServiceValue4 {
+    maps.services[&service_key(frontend, 0).unwrap()]
+}
+
+#[test]
+fn flags_and_the_affinity_timeout_are_written_to_slot_0_and_a_flag_change_is_one_update() {
+    let svc = frontend(10, 80, Proto::Tcp);
+    let mut state = desired(&[(svc, vec![backend(1, 8080, Proto::Tcp), backend(2, 8080, Proto::Tcp)])]);
+    let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
+    reconciler.reconcile(&state);
+    assert_eq!(slot0(reconciler.maps(), &svc).flags, 0);
+
+    let spec = state.frontends.get_mut(&svc).unwrap();
+    spec.kind = FrontendKind::NodePort;
+    spec.local_only = true;
+    spec.affinity_timeout = Some(600);
+    let report = reconciler.reconcile(&state);
+    assert!(report.failures.is_empty(), "{:?}", report.failures);
+    assert_eq!(report.writes, 1, "only slot 0 changes");
+    let value = slot0(reconciler.maps(), &svc);
+    assert_eq!(value.flags, svc_flags::NODE_PORT | svc_flags::LOCAL_ONLY | svc_flags::AFFINITY);
+    assert_eq!((value.backend_id, value.count), (600, 2));
+
+    // Affinity off again: the timeout goes with the flag.
+    state.frontends.get_mut(&svc).unwrap().affinity_timeout = None;
+    assert_eq!(reconciler.reconcile(&state).writes, 1);
+    assert_eq!(slot0(reconciler.maps(), &svc).backend_id, 0);
+    assert!(reconciler.maps().violations.is_empty(), "{:?}", reconciler.maps().violations);
+}
+
+#[test]
+fn a_backend_that_becomes_local_is_updated_in_place_keeping_its_id() {
+    let a = frontend(10, 80, Proto::Tcp);
+    let b = frontend(11, 80, Proto::Tcp);
+    let be = backend(1, 8080, Proto::Tcp);
+    let mut state = desired(&[(a, vec![be]), (b, vec![be])]);
+    let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
+    reconciler.reconcile(&state);
+    let ids: Vec<BackendId> = reconciler.maps().backends.keys().copied().collect();
+    assert_eq!(ids.len(), 1, "one backend entry shared by both frontends");
+
+    // One frontend's copy says local: the shared entry is local (decided once, not flip-flopped).
+    state.frontends.get_mut(&a).unwrap().backends[0].local = true;
+    let report = reconciler.reconcile(&state);
+    assert_eq!(report.writes, 1, "{report:?}");
+    assert_eq!(reconciler.maps().backends[&ids[0]].flags, backend_flags::LOCAL);
+    assert_eq!(reconciler.reconcile(&state).writes, 0, "stable");
+}
+
+#[test]
+fn both_scopes_of_a_frontend_share_one_reverse_nat_id() {
+    let internal = frontend(10, 80, Proto::Tcp);
+    let external = Frontend { scope: Scope::External, ..internal };
+    let state = desired(&[(internal, vec![backend(1, 8080, Proto::Tcp)]), (external, vec![])]);
+    let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
+    assert!(reconciler.reconcile(&state).failures.is_empty());
+    assert_eq!(reconciler.rev_nat_id(&internal), reconciler.rev_nat_id(&external));
+    assert_eq!(reconciler.maps().rev_nats.len(), 1);
+    // After a restart too.
+    let restarted = Reconciler::adopt(reconciler.maps().clone()).unwrap();
+    assert_eq!(restarted.rev_nat_id(&internal), reconciler.rev_nat_id(&external));
+}
+
+#[test]
+fn ipv6_frontends_are_skipped_without_error_until_ipv6_maps_exist() {
+    let v4 = frontend(10, 80, Proto::Tcp);
+    let v6 = Frontend { addr: "fd00::10".parse().unwrap(), ..v4 };
+    let v6_backend = BackendAddr { addr: "fd00:10:244::5".parse().unwrap(), port: 8080, proto: Proto::Tcp };
+    let state = desired(&[(v4, vec![backend(1, 8080, Proto::Tcp)]), (v6, vec![v6_backend])]);
+    let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
+    let report = reconciler.reconcile(&state);
+    assert!(report.failures.is_empty(), "{:?}", report.failures);
+    assert_eq!(report.writes, 4, "only the IPv4 frontend: backend, slot, rev-NAT, slot 0");
+    assert_eq!(reconciler.reconcile(&state).writes, 0);
 }

@@ -85,14 +85,23 @@ pub fn start(path: PathBuf, interval: std::time::Duration, health: std::sync::Ar
                 continue;
             }
             let (cluster, rejections) = parse_manifests(&files);
-            *shared.lock().expect("snapshot lock") = Snapshot { cluster, rejections };
+            let mut view = shared.lock().expect("snapshot lock");
+            // A change not read yet keeps its (earlier) time.
+            let changed_at = view.changed_at.or(Some(std::time::Instant::now()));
+            *view = Snapshot { cluster, rejections, changed_at };
+            drop(view);
             last = Some(files);
             generation_tx.send_modify(|g| *g += 1);
         }
     });
     SourceHandle {
         generation,
-        read: std::sync::Arc::new(move || current.lock().expect("snapshot lock").clone()),
+        read: std::sync::Arc::new(move || {
+            let mut view = current.lock().expect("snapshot lock");
+            let snapshot = view.clone();
+            view.changed_at = None;
+            snapshot
+        }),
     }
 }
 

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::stream::BoxStream;
@@ -81,13 +81,18 @@ impl<K: Resource + Clone> KindStore<K> {
     /// Folds in one watcher event; returns whether the visible objects changed.
     fn apply(&mut self, event: watcher::Event<K>) -> bool {
         let key = |o: &K| (o.namespace().unwrap_or_default(), o.name_any());
-        self.failing = false;
         match event {
             watcher::Event::Apply(object) => {
+                self.failing = false;
                 self.objects.insert(key(&object), object);
                 true
             }
-            watcher::Event::Delete(object) => self.objects.remove(&key(&object)).is_some(),
+            watcher::Event::Delete(object) => {
+                self.failing = false;
+                self.objects.remove(&key(&object)).is_some()
+            }
+            // `Init` is emitted before the list request is even sent, and a relist in progress
+            // is not a confirmed view: the kind stays failing (stale) until `InitDone`.
             watcher::Event::Init => {
                 self.relist = Some(BTreeMap::new());
                 false
@@ -97,6 +102,7 @@ impl<K: Resource + Clone> KindStore<K> {
                 false
             }
             watcher::Event::InitDone => {
+                self.failing = false;
                 self.objects = self.relist.take().unwrap_or_default();
                 self.listed = true;
                 true
@@ -120,6 +126,8 @@ struct Stores {
     services: KindStore<Service>,
     slices: KindStore<EndpointSlice>,
     nodes: KindStore<Node>,
+    /// When the oldest change not read by the agent yet arrived.
+    unread_change: Option<Instant>,
 }
 
 impl Stores {
@@ -161,6 +169,7 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
         services: KindStore::new("Service"),
         slices: KindStore::new("EndpointSlice"),
         nodes: KindStore::new("Node"),
+        unread_change: None,
     }));
     let shared = stores.clone();
     let node_fields = format!("metadata.name={node_name}");
@@ -215,7 +224,7 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
                     false
                 }
             };
-            let st = shared.lock().expect("stores lock");
+            let mut st = shared.lock().expect("stores lock");
             let stale = probe_failed || st.failing();
             if stale {
                 next_probe = next_probe.min(tokio::time::Instant::now() + PROBE_INTERVAL_FAILING);
@@ -224,6 +233,7 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
             }
             was_stale = stale;
             if changed && st.listed() {
+                st.unread_change.get_or_insert_with(Instant::now);
                 drop(st);
                 generation_tx.send_modify(|g| *g += 1);
                 if *generation_tx.borrow() == 1 {
@@ -234,8 +244,9 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
     });
 
     let read = move || {
-        let st = stores.lock().expect("stores lock");
+        let mut st = stores.lock().expect("stores lock");
         Snapshot {
+            changed_at: st.unread_change.take(),
             cluster: ClusterState {
                 services: st.services.snapshot(),
                 slices: st.slices.snapshot(),
@@ -275,6 +286,7 @@ mod tests {
         store.apply(watcher::Event::Init);
         store.apply(watcher::Event::InitApply(svc("b")));
         assert_eq!(names(&store), ["a", "b"], "the old view stays until the relist is complete");
+        assert!(store.failing, "a relist in progress is not a confirmed view (health stays stale)");
         assert!(store.apply(watcher::Event::InitDone));
         assert_eq!(names(&store), ["b"]);
         assert!(!store.failing);

@@ -20,6 +20,9 @@ use crate::desired::{ClusterState, Rejection};
 pub struct Snapshot {
     pub cluster: ClusterState,
     pub rejections: Vec<Rejection>,
+    /// When the source received the oldest change not in the view read before this one (none:
+    /// the same view again). Health and network-programming latency are measured from it.
+    pub changed_at: Option<Instant>,
 }
 
 /// The agent's side of a running source.

@@ -48,6 +48,56 @@ enum Cmd {
         #[arg(long)]
         duration_ms: u64,
     },
+    /// One connected UDP socket to ADDR, a request every INTERVAL for DURATION, as a client
+    /// that keeps its socket (DNS resolvers, QUIC, game clients). On an error it reconnects.
+    /// Prints the answers in order, the errors, and how often it reconnected.
+    UdpConnected {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 20)]
+        interval_ms: u64,
+        #[arg(long)]
+        duration_ms: u64,
+    },
+}
+
+#[derive(serde::Serialize, Default)]
+struct ConnectedUdp {
+    answers: Vec<String>,
+    errors: BTreeMap<String, u32>,
+    reconnects: u32,
+}
+
+fn udp_connected(to: SocketAddr, interval: Duration, duration: Duration) -> ConnectedUdp {
+    let connect = || -> std::io::Result<UdpSocket> {
+        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        socket.set_read_timeout(Some(Duration::from_millis(500)))?;
+        socket.connect(to)?;
+        Ok(socket)
+    };
+    let mut result = ConnectedUdp::default();
+    let mut socket = connect().ok();
+    let until = Instant::now() + duration;
+    while Instant::now() < until {
+        let answer = match &socket {
+            Some(s) => s.send(b"ping").and_then(|_| {
+                let mut buf = [0u8; 2048];
+                let n = s.recv(&mut buf)?;
+                Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+            }),
+            None => Err(std::io::Error::other("not connected")),
+        };
+        match answer {
+            Ok(name) => result.answers.push(name),
+            Err(error) => {
+                *result.errors.entry(error_name(&error)).or_default() += 1;
+                socket = connect().ok();
+                result.reconnects += 1;
+            }
+        }
+        std::thread::sleep(interval);
+    }
+    result
 }
 
 #[derive(clap::Args)]
@@ -224,8 +274,13 @@ fn main() {
         println!("{}", serde_json::to_string(&result).expect("serialisable"));
         return;
     }
+    if let Cmd::UdpConnected { to, interval_ms, duration_ms } = cli.command {
+        let result = udp_connected(to, Duration::from_millis(interval_ms), Duration::from_millis(duration_ms));
+        println!("{}", serde_json::to_string(&result).expect("serialisable"));
+        return;
+    }
     let summary = match cli.command {
-        Cmd::Steady { .. } => unreachable!("handled above"),
+        Cmd::Steady { .. } | Cmd::UdpConnected { .. } => unreachable!("handled above"),
         Cmd::Serve { name, tcp, udp } => serve(name, tcp, udp),
         Cmd::Tcp(a) => run_requests(a.count, || tcp_once(a.to, Duration::from_millis(a.timeout_ms))),
         Cmd::Udp(a) => run_requests(a.count, || udp_once(a.to, Duration::from_millis(a.timeout_ms))),

@@ -1,0 +1,349 @@
+//! Packet-level load balancing on the node's external interfaces: `epx_tc_ingress` and
+//! `epx_tc_egress` (tc/tcx classifiers).
+//!
+//! Ingress: an IPv4 TCP/UDP packet to an external frontend (NodePort on a node address,
+//! externalIP, LoadBalancer IP: the `SCOPE_EXTERNAL` entries of the service map) is DNATed to a
+//! backend. A tracked flow keeps its backend (conntrack is looked up before a new pick; a UDP
+//! flow only while that backend exists); a frontend without backends is answered with ICMP port
+//! unreachable.
+//! A flow to a backend on another node (and no `Local` policy) is also SNATed to a node
+//! address:a free port (the NodePort's address, or that of the interface the packet arrived on)
+//! and sent out by the program itself (see `route`); its replies come back to that address on an
+//! ingress and are sent on to the client.
+//! Egress: replies of DNAT-only flows (backend -> client) leave as frontend -> client.
+//! Everything else passes untouched; every verdict other than "not ours" is counted.
+//!
+//! ICMP errors about translated flows are translated too (outer and quoted headers).
+//!
+//! Not built yet: IPv6.
+
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    helpers::bpf_get_prandom_u32,
+    macros::classifier,
+    programs::TcContext,
+};
+use proxy_abi::{
+    backend_flags, ct, stat, svc_flags, CtEntry4, CtKey4, ServiceKey4, IPPROTO_TCP, SCOPE_EXTERNAL,
+};
+
+use crate::ct::{forward_key, is_expired, now_ns, record, reply_key, reply_key_of, tcp_seen_after};
+use crate::maps::{count, BACKENDS4, CT4, IFADDR4, SERVICES4};
+use crate::packet::{
+    parse, rewrite_addr, rewrite_inner_addr, rewrite_inner_port, rewrite_outer_daddr, rewrite_port, Flow,
+    IcmpError, Parsed, RewriteFailed, IP_DADDR_OFF, IP_SADDR_OFF, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+};
+use crate::{reject, route};
+
+const PASS: i32 = TC_ACT_OK as i32;
+const DROP: i32 = TC_ACT_SHOT as i32;
+
+#[classifier]
+pub fn epx_tc_ingress(ctx: TcContext) -> i32 {
+    ingress(&ctx)
+}
+
+#[classifier]
+pub fn epx_tc_egress(ctx: TcContext) -> i32 {
+    egress(&ctx)
+}
+
+/// The verdict for a packet that is not a TCP/UDP flow (nor an ICMP error about one): it
+/// passes untouched, counted when it is malformed or a fragment.
+#[inline(always)]
+fn pass_counted(parsed: &Parsed) -> i32 {
+    match parsed {
+        Parsed::BadHeader => count(stat::TC_BAD_HEADER),
+        Parsed::Fragment => count(stat::TC_FRAGMENT),
+        Parsed::NotOurs | Parsed::Flow(_) | Parsed::IcmpError(_) => {}
+    }
+    PASS
+}
+
+/// Where a packet of a flow goes, and the source it gets when it is SNATed.
+struct Target {
+    addr_be: u32,
+    port_be: u16,
+    snat: Option<(u32, u16)>,
+}
+
+#[inline(always)]
+fn ingress(ctx: &TcContext) -> i32 {
+    let flow = match parse(ctx) {
+        Parsed::Flow(flow) => flow,
+        Parsed::IcmpError(error) => return icmp_error(ctx, &error),
+        other => return pass_counted(&other),
+    };
+    let now = now_ns();
+    // Replies to SNATed flows come back to the node address (DNAT-only replies are handled on
+    // egress, and are left alone here).
+    if let Some(entry) = CT4.get_ptr_mut(&reply_key(&flow)) {
+        let entry = unsafe { &mut *entry };
+        if entry.nat & ct::NAT_SNAT != 0 {
+            return snat_reply(ctx, &flow, entry, now);
+        }
+    }
+    let mut key = ServiceKey4::new(flow.daddr_be, flow.dport_be, flow.proto, SCOPE_EXTERNAL, 0);
+    let Some(frontend) = SERVICES4.get_ptr(&key) else { return PASS };
+    let frontend = unsafe { *frontend };
+
+    let target = if let Some(target) = tracked_backend(&flow, now) {
+        count(stat::TC_CT_HIT);
+        target
+    } else {
+        if frontend.count == 0 {
+            return match reject::port_unreachable(ctx, &flow) {
+                Ok(verdict) => {
+                    count(stat::TC_NO_BACKEND_REJECT);
+                    verdict
+                }
+                Err(reject::NoReply) => {
+                    count(stat::TC_NO_BACKEND_DROP);
+                    DROP
+                }
+            };
+        }
+        key.backend_slot = (unsafe { bpf_get_prandom_u32() } % u32::from(frontend.count)) as u16 + 1;
+        let Some(slot) = SERVICES4.get_ptr(&key) else {
+            count(stat::TC_LOOKUP_MISS);
+            return DROP;
+        };
+        let backend_id = unsafe { (*slot).backend_id };
+        let Some(backend) = BACKENDS4.get_ptr(&backend_id) else {
+            count(stat::TC_LOOKUP_MISS);
+            return DROP;
+        };
+        let backend = unsafe { *backend };
+        let mut entry = CtEntry4 {
+            backend_addr_be: backend.addr_be,
+            frontend_addr_be: flow.daddr_be,
+            client_addr_be: flow.saddr_be,
+            snat_addr_be: 0,
+            backend_port_be: backend.port_be,
+            frontend_port_be: flow.dport_be,
+            client_port_be: flow.sport_be,
+            snat_port_be: 0,
+            backend_id,
+            rev_nat_id: frontend.rev_nat_id,
+            nat: ct::NAT_DNAT,
+            tcp_seen: tcp_seen_after(0, flow.proto, flow.tcp_flags),
+            last_seen_ns: now,
+        };
+        // A backend on another node answers to whoever the packet comes from: unless a `Local`
+        // policy keeps the client's address (and then only local backends are listed), the
+        // packet must come from this node so that the answer comes back through it.
+        if backend.flags & backend_flags::LOCAL == 0 && frontend.flags & svc_flags::LOCAL_ONLY == 0 {
+            match snat_address(ctx, &flow, frontend.flags) {
+                None => count(stat::TC_REMOTE_BACKEND_NO_SNAT),
+                Some(snat_addr_be) => {
+                    let Some(port_be) = free_snat_port(&entry, flow.proto, snat_addr_be) else {
+                        count(stat::TC_SNAT_NO_PORT);
+                        return DROP;
+                    };
+                    entry.nat |= ct::NAT_SNAT;
+                    entry.snat_addr_be = snat_addr_be;
+                    entry.snat_port_be = port_be;
+                }
+            }
+        }
+        // Translate even when the entry cannot be written: the packet is still better served
+        // than dropped (an SNATed flow's replies then stay unanswered, as with a full table).
+        count(if record(&flow, &entry).is_ok() { stat::TC_CT_NEW } else { stat::TC_CT_RECORD_FAIL });
+        let snat = (entry.nat & ct::NAT_SNAT != 0).then_some((entry.snat_addr_be, entry.snat_port_be));
+        Target { addr_be: backend.addr_be, port_be: backend.port_be, snat }
+    };
+
+    let rewritten = rewrite_addr(ctx, &flow, IP_DADDR_OFF, flow.daddr_be, target.addr_be)
+        .and_then(|()| rewrite_port(ctx, &flow, flow.l4_off + 2, flow.dport_be, target.port_be));
+    if rewritten.is_err() {
+        count(stat::TC_REWRITE_FAIL);
+        return DROP;
+    }
+    count(stat::TC_DNAT);
+    let Some((snat_addr_be, snat_port_be)) = target.snat else { return PASS };
+    let rewritten = rewrite_addr(ctx, &flow, IP_SADDR_OFF, flow.saddr_be, snat_addr_be)
+        .and_then(|()| rewrite_port(ctx, &flow, flow.l4_off, flow.sport_be, snat_port_be));
+    if rewritten.is_err() {
+        count(stat::TC_REWRITE_FAIL);
+        return DROP;
+    }
+    count(stat::TC_SNAT);
+    forward_routed(ctx, flow.proto, snat_addr_be, target.addr_be)
+}
+
+/// Sends a packet whose source is a node address on its way (the kernel would refuse it).
+#[inline(always)]
+fn forward_routed(ctx: &TcContext, proto: u8, saddr_be: u32, daddr_be: u32) -> i32 {
+    match route::redirect(ctx, proto, saddr_be, daddr_be) {
+        Ok(verdict) => verdict,
+        Err(route::NoRoute) => {
+            count(stat::TC_FIB_FAIL);
+            DROP
+        }
+    }
+}
+
+/// The node address an SNATed flow comes from: a NodePort's own (it is a node address), else the
+/// address of the interface the packet arrived on, as the agent recorded it.
+#[inline(always)]
+fn snat_address(ctx: &TcContext, flow: &Flow, frontend_flags: u8) -> Option<u32> {
+    if frontend_flags & svc_flags::NODE_PORT != 0 {
+        return Some(flow.daddr_be);
+    }
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    IFADDR4.get_ptr(&ifindex).map(|a| unsafe { (*a).addr_be })
+}
+
+/// A source port on `snat_addr_be` that no other flow to the same backend uses. A few random
+/// tries, then give up (the range is large; a full one means far more flows than the table holds).
+#[inline(always)]
+fn free_snat_port(entry: &CtEntry4, proto: u8, snat_addr_be: u32) -> Option<u16> {
+    let range = u32::from(ct::SNAT_PORT_MAX - ct::SNAT_PORT_MIN) + 1;
+    for _ in 0..4 {
+        let port = (u32::from(ct::SNAT_PORT_MIN) + unsafe { bpf_get_prandom_u32() } % range) as u16;
+        let candidate = CtEntry4 { nat: ct::NAT_SNAT, snat_addr_be, snat_port_be: port.to_be(), ..*entry };
+        if CT4.get_ptr(&reply_key_of(&candidate, proto, 0, 0)).is_none() {
+            return Some(port.to_be());
+        }
+    }
+    None
+}
+
+/// backend:port -> node:SNAT port becomes frontend -> client, sent on to the client.
+#[inline(always)]
+fn snat_reply(ctx: &TcContext, flow: &Flow, entry: &mut CtEntry4, now: u64) -> i32 {
+    entry.last_seen_ns = now;
+    let entry = *entry;
+    let rewritten = rewrite_addr(ctx, flow, IP_SADDR_OFF, flow.saddr_be, entry.frontend_addr_be)
+        .and_then(|()| rewrite_port(ctx, flow, flow.l4_off, flow.sport_be, entry.frontend_port_be))
+        .and_then(|()| rewrite_addr(ctx, flow, IP_DADDR_OFF, flow.daddr_be, entry.client_addr_be))
+        .and_then(|()| rewrite_port(ctx, flow, flow.l4_off + 2, flow.dport_be, entry.client_port_be));
+    if let Err(RewriteFailed) = rewritten {
+        count(stat::TC_REWRITE_FAIL);
+        return DROP;
+    }
+    note_close(flow, entry.client_addr_be, entry.client_port_be, &entry);
+    count(stat::TC_SNAT_REPLY);
+    forward_routed(ctx, flow.proto, entry.frontend_addr_be, entry.client_addr_be)
+}
+
+/// The backend closing counts for the flow's timeout too (the forward entry decides it).
+#[inline(always)]
+fn note_close(flow: &Flow, client_addr_be: u32, client_port_be: u16, entry: &CtEntry4) {
+    if flow.tcp_flags & (TCP_FIN | TCP_RST) == 0 {
+        return;
+    }
+    let forward = CtKey4 {
+        saddr_be: client_addr_be,
+        daddr_be: entry.frontend_addr_be,
+        sport_be: client_port_be,
+        dport_be: entry.frontend_port_be,
+        proto: flow.proto,
+        dir: ct::DIR_FORWARD,
+        pad: [0; 2],
+    };
+    if let Some(forward) = CT4.get_ptr_mut(&forward) {
+        let forward = unsafe { &mut *forward };
+        forward.tcp_seen = tcp_seen_after(forward.tcp_seen, flow.proto, flow.tcp_flags);
+    }
+}
+
+/// An ICMP error about a packet we translated, so that path-MTU discovery and unreachable
+/// errors reach the socket they are about:
+/// - about a reply that left as frontend -> client: it goes to the backend, about backend -> client;
+/// - about a request we SNATed (node:SNAT port -> backend on another node): it goes to the
+///   client, about client -> frontend, the packet the client sent.
+/// Anything else passes untouched (an error about the node's own traffic).
+#[inline(always)]
+fn icmp_error(ctx: &TcContext, error: &IcmpError) -> i32 {
+    let inner = error.inner;
+    // The quoted packet went out, so its reverse is what our tables know.
+    let mut key = CtKey4 {
+        saddr_be: inner.daddr_be,
+        daddr_be: inner.saddr_be,
+        sport_be: inner.dport_be,
+        dport_be: inner.sport_be,
+        proto: inner.proto,
+        dir: ct::DIR_FORWARD,
+        pad: [0; 2],
+    };
+    let mut entry = CT4.get_ptr(&key).map(|e| unsafe { *e }).filter(|e| e.nat & ct::NAT_SNAT == 0);
+    let mut snat = false;
+    if entry.is_none() {
+        key.dir = ct::DIR_REPLY;
+        entry = CT4.get_ptr(&key).map(|e| unsafe { *e }).filter(|e| e.nat & ct::NAT_SNAT != 0);
+        snat = true;
+    }
+    let Some(entry) = entry else { return PASS };
+    // Where the error goes, and the quoted packet as that side sent it.
+    let (to, src, sport, dst, dport) = if snat {
+        (entry.client_addr_be, entry.client_addr_be, entry.client_port_be, entry.frontend_addr_be, entry.frontend_port_be)
+    } else {
+        (entry.backend_addr_be, entry.backend_addr_be, entry.backend_port_be, inner.daddr_be, inner.dport_be)
+    };
+    let rewritten = rewrite_inner_addr(ctx, error, error.inner_saddr_off(), inner.saddr_be, src)
+        .and_then(|()| rewrite_inner_port(ctx, error, error.inner_sport_off(), inner.sport_be, sport))
+        .and_then(|()| rewrite_inner_addr(ctx, error, error.inner_daddr_off(), inner.daddr_be, dst))
+        .and_then(|()| rewrite_inner_port(ctx, error, error.inner_dport_off(), inner.dport_be, dport))
+        .and_then(|()| rewrite_outer_daddr(ctx, error.daddr_be, to));
+    if rewritten.is_err() {
+        count(stat::TC_REWRITE_FAIL);
+        return DROP;
+    }
+    count(stat::TC_ICMP_ERROR_XLATE);
+    // The outer source is whoever reported the error, not a node address: the kernel can route
+    // it like any forwarded packet.
+    PASS
+}
+
+/// The backend of a tracked, unexpired flow, refreshing the entry.
+///
+/// As with kube-proxy's conntrack: a TCP connection stays on its backend whatever happens to the
+/// Service's endpoints (a terminating pod finishes its connections), while a UDP flow whose
+/// backend went away (kube-proxy flushes those entries) gets a new pick, and so does a new
+/// connection (a bare SYN) reusing the tuple of a tracked one.
+#[inline(always)]
+fn tracked_backend(flow: &Flow, now: u64) -> Option<Target> {
+    let entry = CT4.get_ptr_mut(&forward_key(flow))?;
+    let entry = unsafe { &mut *entry };
+    if is_expired(entry, flow.proto, now) {
+        return None;
+    }
+    if flow.proto != IPPROTO_TCP || flow.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+        let backend = BACKENDS4.get_ptr(&entry.backend_id)?;
+        let backend = unsafe { *backend };
+        if backend.addr_be != entry.backend_addr_be || backend.port_be != entry.backend_port_be {
+            return None;
+        }
+    }
+    entry.last_seen_ns = now;
+    entry.tcp_seen = tcp_seen_after(entry.tcp_seen, flow.proto, flow.tcp_flags);
+    let snat = (entry.nat & ct::NAT_SNAT != 0).then_some((entry.snat_addr_be, entry.snat_port_be));
+    Some(Target { addr_be: entry.backend_addr_be, port_be: entry.backend_port_be, snat })
+}
+
+#[inline(always)]
+fn egress(ctx: &TcContext) -> i32 {
+    let flow = match parse(ctx) {
+        Parsed::Flow(flow) => flow,
+        other => return pass_counted(&other),
+    };
+    let Some(entry) = CT4.get_ptr_mut(&reply_key(&flow)) else { return PASS };
+    let entry = unsafe { &mut *entry };
+    if entry.nat & ct::NAT_SNAT != 0 {
+        // Replies of SNATed flows are addressed to the node and handled on ingress.
+        return PASS;
+    }
+    entry.last_seen_ns = now_ns();
+    let (frontend_addr_be, frontend_port_be) = (entry.frontend_addr_be, entry.frontend_port_be);
+
+    let rewritten = rewrite_addr(ctx, &flow, IP_SADDR_OFF, flow.saddr_be, frontend_addr_be)
+        .and_then(|()| rewrite_port(ctx, &flow, flow.l4_off, flow.sport_be, frontend_port_be));
+    if rewritten.is_err() {
+        count(stat::TC_REWRITE_FAIL);
+        return DROP;
+    }
+    note_close(&flow, flow.daddr_be, flow.dport_be, entry);
+    count(stat::TC_REV_NAT);
+    PASS
+}

@@ -1,0 +1,158 @@
+//! Running the built TC programs on hand-made frames with `BPF_PROG_TEST_RUN`, against maps
+//! seeded by the test: the least powerful tool that proves what one program does to one packet.
+//!
+//! [`TcPrograms::load`] loads the same object `cargo xtask build` embeds in the agent, with its
+//! maps pinned under a fresh `/sys/fs/bpf/epxt-*` directory (removed on drop) and small
+//! capacities; nothing is attached anywhere.
+
+use std::fs;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::PathBuf;
+
+use anyhow::Context;
+use aya::maps::{HashMap, MapData, PerCpuArray};
+use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use aya::{Ebpf, EbpfLoader};
+use proxy_abi::{
+    map_name, stat, Backend4, BackendId, CtEntry4, CtKey4, IfAddr4, ServiceKey4, ServiceValue4,
+    SCOPE_EXTERNAL,
+};
+
+/// The tc verdicts a test expects.
+pub const TC_ACT_OK: u32 = 0;
+pub const TC_ACT_SHOT: u32 = 2;
+pub const TC_ACT_REDIRECT: u32 = 7;
+
+pub const INGRESS: &str = "epx_tc_ingress";
+pub const EGRESS: &str = "epx_tc_egress";
+
+/// The eBPF object: `$EPX_EBPF_OBJECT`, else where `cargo xtask build` writes it.
+pub fn ebpf_object() -> PathBuf {
+    let path = std::env::var_os("EPX_EBPF_OBJECT").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bpf/bpfel-unknown-none/release/proxy-ebpf")
+    });
+    assert!(path.exists(), "{} is missing: build it with `cargo xtask build`", path.display());
+    path
+}
+
+/// What one run gave back.
+#[derive(Debug)]
+pub struct Outcome {
+    pub verdict: u32,
+    pub frame: Vec<u8>,
+}
+
+/// The TC programs, loaded with their own maps.
+pub struct TcPrograms {
+    ebpf: Ebpf,
+    pin_dir: PathBuf,
+}
+
+impl TcPrograms {
+    pub fn load() -> anyhow::Result<Self> {
+        crate::require_root();
+        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}-{}-pkt", crate::PREFIX, crate::unique_id()));
+        fs::create_dir_all(&pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
+        let object = fs::read(ebpf_object())?;
+        let loaded = EbpfLoader::new()
+            .default_map_pin_directory(&pin_dir)
+            .map_max_entries(map_name::SERVICES4, 1024)
+            .map_max_entries(map_name::BACKENDS4, 1024)
+            .map_max_entries(map_name::REV_NAT4, 1024)
+            .map_max_entries(map_name::REV_SOCK4, 1024)
+            .map_max_entries(map_name::CT4, 1024)
+            .load(&object);
+        let mut ebpf = match loaded {
+            Ok(ebpf) => ebpf,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&pin_dir);
+                return Err(e).context("loading the eBPF object");
+            }
+        };
+        for name in [INGRESS, EGRESS] {
+            let program: &mut SchedClassifier =
+                ebpf.program_mut(name).with_context(|| format!("no program {name}"))?.try_into()?;
+            // The verifier log is in the error's debug form; show it whole if the load fails.
+            program.load().map_err(|e| anyhow::anyhow!("loading {name}: {e:?}"))?;
+        }
+        Ok(Self { ebpf, pin_dir })
+    }
+
+    /// Runs `program` on `frame` once.
+    pub fn run(&self, program: &str, frame: &[u8]) -> anyhow::Result<Outcome> {
+        let program: &SchedClassifier = self.ebpf.program(program).context("no such program")?.try_into()?;
+        // Room for a frame that grows (the reject path builds a reply of its own size).
+        let mut out = vec![0u8; frame.len().max(128) + 256];
+        let result = program
+            .test_run(TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ..Default::default() })
+            .context("BPF_PROG_TEST_RUN")?;
+        out.truncate(result.data_size_out as usize);
+        Ok(Outcome { verdict: result.return_value, frame: out })
+    }
+
+    fn hash<K: aya::Pod, V: aya::Pod>(&mut self, name: &str) -> anyhow::Result<HashMap<&mut MapData, K, V>> {
+        Ok(HashMap::try_from(self.ebpf.map_mut(name).with_context(|| format!("no map {name}"))?)?)
+    }
+
+    /// Writes an external frontend (slot 0 with `flags`) and its backends (`(id, backend)`, one
+    /// slot each), as the agent does.
+    pub fn put_frontend(
+        &mut self,
+        frontend: SocketAddrV4,
+        proto: u8,
+        rev_nat_id: u16,
+        flags: u8,
+        backends: &[(BackendId, SocketAddrV4, u8)],
+    ) -> anyhow::Result<()> {
+        for &(id, addr, backend_flags) in backends {
+            let value = Backend4 { addr_be: be_addr(&addr), port_be: addr.port().to_be(), proto, flags: backend_flags };
+            self.hash::<BackendId, Backend4>(map_name::BACKENDS4)?.insert(id, value, 0)?;
+        }
+        let mut services = self.hash::<ServiceKey4, ServiceValue4>(map_name::SERVICES4)?;
+        let key = |slot| ServiceKey4::new(be_addr(&frontend), frontend.port().to_be(), proto, SCOPE_EXTERNAL, slot);
+        for (slot, &(id, _, _)) in backends.iter().enumerate() {
+            services.insert(key(slot as u16 + 1), ServiceValue4 { backend_id: id, ..Default::default() }, 0)?;
+        }
+        let slot0 = ServiceValue4 { count: backends.len() as u16, rev_nat_id, flags, ..Default::default() };
+        services.insert(key(0), slot0, 0)?;
+        Ok(())
+    }
+
+    /// Records `addr` as the IPv4 address of interface `ifindex`, as the agent does when it
+    /// attaches (BPF_PROG_TEST_RUN runs a program on the loopback device, ifindex 1).
+    pub fn put_interface_address(&mut self, ifindex: u32, addr: Ipv4Addr) -> anyhow::Result<()> {
+        let value = IfAddr4 { addr_be: u32::from(addr).to_be() };
+        self.hash::<u32, IfAddr4>(map_name::IFADDR4)?.insert(ifindex, value, 0)?;
+        Ok(())
+    }
+
+    pub fn delete_backend(&mut self, id: BackendId) -> anyhow::Result<()> {
+        self.hash::<BackendId, Backend4>(map_name::BACKENDS4)?.remove(&id)?;
+        Ok(())
+    }
+
+    /// Every conntrack entry.
+    pub fn conntrack(&mut self) -> anyhow::Result<Vec<(CtKey4, CtEntry4)>> {
+        let map = self.hash::<CtKey4, CtEntry4>(map_name::CT4)?;
+        Ok(map.iter().collect::<Result<Vec<_>, _>>()?)
+    }
+
+    /// The counter `name` (one of `proxy_abi::stat::NAMES`), summed over CPUs.
+    pub fn counter(&self, name: &str) -> anyhow::Result<u64> {
+        let index = stat::NAMES.iter().position(|n| *n == name).with_context(|| format!("no counter {name}"))?;
+        let array: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(self.ebpf.map(map_name::STATS).context("no stats map")?)?;
+        Ok(array.get(&(index as u32), 0)?.iter().sum())
+    }
+}
+
+impl Drop for TcPrograms {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.pin_dir);
+    }
+}
+
+/// An address as the maps hold it (network byte order in memory).
+pub fn be_addr(addr: &SocketAddrV4) -> u32 {
+    u32::from_ne_bytes(addr.ip().octets())
+}

@@ -1,0 +1,282 @@
+//! NodePort from outside the node: a client in its own namespace, linked to the node by a veth,
+//! connects to node-address:nodePort; the agent runs in the node namespace with the packet-level
+//! programs on that link (`--interfaces ext0`). Real sockets, real answers from pod backends.
+
+use std::time::{Duration, Instant};
+
+use aya::programs::{SchedClassifier, TcAttachType};
+use e2e::agent::{Agent, AgentDir};
+use e2e::kube_scenario::{node_port_service, slice};
+use e2e::probe::{self, SteadyTraffic, Summary};
+use e2e::scenario;
+use e2e::topology::{in_netns, run, ExternalClient, Topology};
+
+const TCP_NODE_PORT: u16 = 30080;
+const UDP_NODE_PORT: u16 = 30081;
+const EMPTY_NODE_PORT: u16 = 30082;
+
+/// `web` (TCP 80 -> 8080 on nodePort 30080, UDP 53 -> 5353 on 30081) with be1 and be2 on
+/// this node, and `empty`, a NodePort Service without endpoints.
+fn manifest() -> String {
+    manifest_with(&["10.244.1.11", "10.244.1.12"])
+}
+
+/// [`manifest`] with `web`'s endpoints `backends` (all on this node).
+fn manifest_with(backends: &[&str]) -> String {
+    let web = node_port_service("web", scenario::VIP, TCP_NODE_PORT);
+    let slice = slice("web", backends);
+    let empty = node_port_service("empty", scenario::EMPTY_VIP, EMPTY_NODE_PORT);
+    format!("{web}---\n{slice}---\n{empty}")
+}
+
+fn probe_from(client: &ExternalClient, kind: &str, port: u16, count: u32) -> Summary {
+    probe_to(client, kind, &client.node_ip, port, count)
+}
+
+fn probe_to(client: &ExternalClient, kind: &str, ip: &str, port: u16, count: u32) -> Summary {
+    let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
+    probe::client_with(command, kind, &format!("{ip}:{port}"), count).expect("probe")
+}
+
+/// Waits until `dump` shows the external NodePort frontend on the node's link address.
+fn wait_for_frontend(agent: &Agent, ip: &str, port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let dump = agent.dump().expect("dump");
+        let programmed = dump["services"].as_array().into_iter().flatten().any(|s| {
+            s["ip"] == ip && s["port"] == port && s["scope"] == "external"
+        });
+        if programmed {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no external frontend {ip}:{port} after 5 s: {dump:#}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Names of the tcx programs on the node's side of the client's link, (ingress, egress).
+fn tcx_programs(topo: &Topology, client: &ExternalClient) -> (Vec<String>, Vec<String>) {
+    let names = |attach_type| {
+        in_netns(&topo.node.path(), || SchedClassifier::query_tcx(&client.node_interface, attach_type))
+            .expect("entering the node namespace")
+            .expect("querying tcx")
+            .1
+            .iter()
+            .map(|p| p.name_as_str().unwrap_or("?").to_owned())
+            .collect::<Vec<_>>()
+    };
+    (names(TcAttachType::Ingress), names(TcAttachType::Egress))
+}
+
+/// The node with be1 and be2 serving, an external client, and the agent in the node namespace
+/// with the packet-level programs on the client's link. Field order is drop order.
+struct Env {
+    agent: Agent,
+    _dir: AgentDir,
+    client: ExternalClient,
+    _servers: Vec<probe::Server>,
+    topo: Topology,
+}
+
+fn start(manifest: &str, extra_args: &[&str]) -> Env {
+    let (topo, servers) = scenario::client_and_two_backends();
+    let client = topo.add_external_client("ext").expect("external client");
+    let dir = AgentDir::new(&topo.id).expect("agent dir");
+    dir.write_manifest(manifest).expect("manifest");
+    let interfaces = format!("--interfaces={}", client.node_interface);
+    let args: Vec<&str> = [interfaces.as_str()].into_iter().chain(extra_args.iter().copied()).collect();
+    let agent = Agent::start_file_in_node(&topo, &dir, &args).expect("agent");
+    Env { agent, _dir: dir, client, _servers: servers, topo }
+}
+
+#[test]
+fn nodeport_from_an_external_client_reaches_pods_over_tcp_and_udp_and_refuses_without_endpoints() {
+    let Env { agent, _dir, client, _servers, topo } = start(&manifest(), &[]);
+    wait_for_frontend(&agent, &client.node_ip, TCP_NODE_PORT);
+
+    let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 60);
+    assert_eq!(tcp.ok, 60, "TCP to the NodePort from outside: {tcp:?}");
+    assert!(tcp.answered_by("be1") > 0 && tcp.answered_by("be2") > 0, "both backends must serve: {tcp:?}");
+
+    // Replies must come from node-address:nodePort (the probe checks the source of each answer).
+    let udp = probe_from(&client, "udp", UDP_NODE_PORT, 60);
+    assert_eq!(udp.ok, 60, "UDP to the NodePort from outside: {udp:?}");
+    assert!(udp.answered_by("be1") > 0 && udp.answered_by("be2") > 0, "both backends must serve: {udp:?}");
+
+    let refused = probe_from(&client, "tcp", EMPTY_NODE_PORT, 5);
+    assert_eq!(refused.errors_of("ECONNREFUSED"), 5, "a NodePort without endpoints must refuse at once: {refused:?}");
+    assert!(refused.elapsed_ms < 2000, "refusals must not wait for a timeout: {refused:?}");
+
+    // The flows are tracked and visible, and the counters say what happened.
+    let dump = agent.dump().expect("dump");
+    let flows = dump["conntrack"].as_array().expect("conntrack in dump");
+    let frontend = format!("{}:{TCP_NODE_PORT}", client.node_ip);
+    assert!(
+        flows.iter().any(|f| f["frontend"] == frontend.as_str() && f["client"].as_str().unwrap_or("").starts_with(&client.ip)),
+        "no tracked flow from the client to {frontend}: {flows:#?}"
+    );
+    let counter = |name: &str| dump["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}"));
+    assert!(counter("tc_dnat") >= 120, "{:#}", dump["counters"]);
+    assert!(counter("tc_rev_nat") >= 120, "{:#}", dump["counters"]);
+    assert_eq!(counter("tc_no_backend_reject"), 5, "{:#}", dump["counters"]);
+
+    // Once per direction, pinned: an agent crash keeps serving, a restart swaps the program in
+    // place instead of attaching a second copy.
+    let attached = (vec!["epx_tc_ingress".to_owned()], vec!["epx_tc_egress".to_owned()]);
+    assert_eq!(tcx_programs(&topo, &client), attached);
+    let mut agent = agent;
+    agent.kill().expect("kill");
+    let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 20);
+    assert_eq!(tcp.ok, 20, "with the agent dead: {tcp:?}");
+    agent.restart().expect("restart");
+    assert_eq!(tcx_programs(&topo, &client), attached, "a restart must not attach twice");
+    let udp = probe_from(&client, "udp", UDP_NODE_PORT, 20);
+    assert_eq!(udp.ok, 20, "after the restart: {udp:?}");
+
+    // `cleanup` detaches them: nothing translates the NodePort any more (the node itself has no
+    // listener there, so its kernel refuses).
+    agent.kill().expect("kill");
+    run(std::process::Command::new(e2e::bin("ebpf-proxy")).arg("cleanup").arg("--bpffs").arg(&agent.bpffs)).expect("cleanup");
+    assert_eq!(tcx_programs(&topo, &client), (Vec::new(), Vec::new()));
+    let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 3);
+    assert_eq!((tcp.ok, tcp.errors_of("ECONNREFUSED")), (0, 3), "after cleanup: {tcp:?}");
+}
+
+const EXTERNAL_IP: &str = "192.168.241.10";
+const LB_IP: &str = "192.168.242.10";
+
+#[test]
+fn an_external_ip_and_a_load_balancer_ip_serve_tcp_and_udp_from_outside() {
+    let manifest = manifest().replacen(
+        &format!("  type: NodePort\n  clusterIP: {}\n", scenario::VIP),
+        &format!("  type: LoadBalancer\n  clusterIP: {}\n  externalIPs: [{EXTERNAL_IP}]\n", scenario::VIP),
+        1,
+    );
+    let manifest = manifest.replacen(
+        "---\napiVersion: discovery.k8s.io/v1",
+        &format!("status: {{loadBalancer: {{ingress: [{{ip: {LB_IP}}}]}}}}\n---\napiVersion: discovery.k8s.io/v1"),
+        1,
+    );
+    assert!(manifest.contains(EXTERNAL_IP) && manifest.contains(LB_IP), "{manifest}");
+    let env = start(&manifest, &[]);
+    // The client reaches those addresses through the node, as through a router or a cloud LB.
+    env.client.route_via_node("192.168.241.0/24").expect("route");
+    env.client.route_via_node("192.168.242.0/24").expect("route");
+    for ip in [EXTERNAL_IP, LB_IP] {
+        wait_for_frontend(&env.agent, ip, 80);
+        let tcp = probe_to(&env.client, "tcp", ip, 80, 40);
+        assert_eq!(tcp.ok, 40, "TCP to {ip}:80 from outside: {tcp:?}");
+        assert!(tcp.answered_by("be1") > 0 && tcp.answered_by("be2") > 0, "both backends must serve: {tcp:?}");
+        let udp = probe_to(&env.client, "udp", ip, 53, 40);
+        assert_eq!(udp.ok, 40, "UDP to {ip}:53 from outside: {udp:?}");
+        // A port the Service does not have is not translated (nothing answers there).
+        let other = probe_to(&env.client, "tcp", ip, 81, 1);
+        assert_eq!(other.ok, 0, "{ip}:81 is no frontend: {other:?}");
+    }
+}
+
+const FAR_EXTERNAL_IP: &str = "192.168.241.20";
+
+#[test]
+fn nodeport_and_external_ip_to_a_backend_on_another_node_are_snated_and_the_answers_reach_the_client() {
+    let mut topo = Topology::new().expect("topology");
+    let client = topo.add_external_client("ext").expect("external client");
+    // The other node knows the way back to this node's address only, not to the client: an
+    // answer reaches the client only if the request came from the node (SNAT).
+    let endpoint = topo.add_remote_pod("far", 10, &[&format!("{}/32", client.node_ip)]).expect("remote pod").ip.clone();
+    let _server = probe::serve(&topo, "far", "far", &[8080], &[5353]).expect("server on the other node");
+    let dir = AgentDir::new(&topo.id).expect("agent dir");
+    // `far`: NodePorts 30090 (TCP) and 30091 (UDP) and an externalIP, its only endpoint on the
+    // other node.
+    let far = node_port_service("far", "10.96.0.30", 30090)
+        .replacen("  clusterIP: 10.96.0.30\n", &format!("  clusterIP: 10.96.0.30\n  externalIPs: [{FAR_EXTERNAL_IP}]\n"), 1);
+    assert!(far.contains(FAR_EXTERNAL_IP), "{far}");
+    let far_slice = slice("far", &[&endpoint]).replace("nodeName: node-1", "nodeName: node-2");
+    assert!(far_slice.contains("nodeName: node-2"), "{far_slice}");
+    dir.write_manifest(&format!("{far}---\n{far_slice}")).expect("manifest");
+    // Replies from the other node arrive on n2: the programs go there too.
+    let interfaces = format!("--interfaces={},n2", client.node_interface);
+    let agent = Agent::start_file_in_node(&topo, &dir, &[&interfaces]).expect("agent");
+    wait_for_frontend(&agent, &client.node_ip, 30090);
+
+    let tcp = probe_from(&client, "tcp", 30090, 30);
+    assert_eq!((tcp.ok, tcp.answered_by("far")), (30, 30), "TCP via the NodePort to the other node: {tcp:?}");
+    let udp = probe_from(&client, "udp", 30091, 30);
+    assert_eq!((udp.ok, udp.answered_by("far")), (30, 30), "UDP via the NodePort to the other node: {udp:?}");
+    // The externalIP is no node address: its traffic is SNATed to the address of the interface
+    // it arrived on (ext0's), which the other node can answer.
+    client.route_via_node("192.168.241.0/24").expect("route");
+    wait_for_frontend(&agent, FAR_EXTERNAL_IP, 80);
+    let tcp = probe_to(&client, "tcp", FAR_EXTERNAL_IP, 80, 30);
+    assert_eq!((tcp.ok, tcp.answered_by("far")), (30, 30), "TCP via the externalIP to the other node: {tcp:?}");
+    let udp = probe_to(&client, "udp", FAR_EXTERNAL_IP, 53, 30);
+    assert_eq!((udp.ok, udp.answered_by("far")), (30, 30), "UDP via the externalIP to the other node: {udp:?}");
+
+    let dump = agent.dump().expect("dump");
+    let counter = |name: &str| dump["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}"));
+    assert!(counter("tc_snat") >= 120 && counter("tc_snat_reply") >= 120, "{:#}", dump["counters"]);
+    assert_eq!(counter("tc_remote_backend_no_snat"), 0, "{:#}", dump["counters"]);
+    assert_eq!(counter("tc_fib_fail"), 0, "{:#}", dump["counters"]);
+}
+
+/// How many of our classic tc filters the node's side of the client's link has in `direction`
+/// (`ingress` or `egress`).
+fn classic_filters(topo: &Topology, client: &ExternalClient, direction: &str) -> usize {
+    let output = topo.node.exec(&["tc", "filter", "show", "dev", &client.node_interface, direction]).expect("tc filter show");
+    // One line per filter: `filter protocol all pref 49152 bpf chain 0 handle 0x1 epx_tc_ingress ...`.
+    String::from_utf8_lossy(&output.stdout).lines().filter(|line| line.contains(" bpf ") && line.contains("epx_tc_")).count()
+}
+
+#[test]
+fn without_tcx_the_programs_go_on_a_clsact_qdisc_and_cleanup_removes_them() {
+    // `legacy` takes the path kernels before 6.6 get, on this kernel.
+    let Env { mut agent, _dir, client, _servers, topo } = start(&manifest(), &["--tc-attach=legacy"]);
+    wait_for_frontend(&agent, &client.node_ip, TCP_NODE_PORT);
+    assert_eq!(tcx_programs(&topo, &client), (Vec::new(), Vec::new()), "no tcx link in legacy mode");
+    assert_eq!((classic_filters(&topo, &client, "ingress"), classic_filters(&topo, &client, "egress")), (1, 1));
+    let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 20);
+    assert_eq!(tcp.ok, 20, "{tcp:?}");
+
+    // The filters outlive the agent; a restart replaces them instead of adding more.
+    agent.kill().expect("kill");
+    let udp = probe_from(&client, "udp", UDP_NODE_PORT, 20);
+    assert_eq!(udp.ok, 20, "with the agent dead: {udp:?}");
+    agent.restart().expect("restart");
+    assert_eq!((classic_filters(&topo, &client, "ingress"), classic_filters(&topo, &client, "egress")), (1, 1));
+    let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 20);
+    assert_eq!(tcp.ok, 20, "after the restart: {tcp:?}");
+
+    // `cleanup` (where the agent runs: the filters are found by interface name) removes them.
+    agent.kill().expect("kill");
+    let mut cleanup = std::process::Command::new(e2e::bin("ebpf-proxy"));
+    e2e::topology::enter_netns_on_exec(&mut cleanup, &topo.node.path()).expect("netns");
+    run(cleanup.arg("cleanup").arg("--bpffs").arg(&agent.bpffs)).expect("cleanup");
+    assert_eq!((classic_filters(&topo, &client, "ingress"), classic_filters(&topo, &client, "egress")), (0, 0));
+    let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 3);
+    assert_eq!((tcp.ok, tcp.errors_of("ECONNREFUSED")), (0, 3), "after cleanup: {tcp:?}");
+}
+
+#[test]
+fn long_lived_streams_from_outside_keep_their_backend_while_the_backend_set_changes() {
+    let env = start(&manifest(), &[]);
+    wait_for_frontend(&env.agent, &env.client.node_ip, TCP_NODE_PORT);
+    let node = &env.client.node_ip;
+    let traffic = SteadyTraffic::start_with(
+        env.client.command(&e2e::bin("epx-probe")).expect("probe command"),
+        &format!("{node}:{TCP_NODE_PORT}"),
+        &format!("{node}:{UDP_NODE_PORT}"),
+        20,
+        8,
+        Duration::from_secs(4),
+    )
+    .expect("steady traffic");
+    // be2 leaves the Service (its pod keeps running, as a terminating one would), then returns.
+    std::thread::sleep(Duration::from_secs(1));
+    env._dir.write_manifest(&manifest_with(&["10.244.1.11"])).expect("manifest without be2");
+    std::thread::sleep(Duration::from_millis(1500));
+    env._dir.write_manifest(&manifest()).expect("manifest with be2 again");
+    let seen = traffic.finish().expect("steady result");
+    assert_eq!(seen.failed(), 0, "no request, connection or stream may fail: {seen:?}");
+    assert_eq!(seen.streams.ok, 8, "{seen:?}");
+    assert!(seen.streams.answered_by("be2") > 0, "some stream must have run on be2 through the change: {seen:?}");
+}
