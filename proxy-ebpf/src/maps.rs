@@ -6,7 +6,7 @@ use aya_ebpf::{
     maps::{HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_abi::{
-    capacity, stat, Backend4, BackendId, CtEntry4, CtKey4, IfAddr4, RevNat4, RevNatId, RevSock4,
+    capacity, stat, AffinityKey4, AffinityValue4, Backend4, BackendId, CtEntry4, CtKey4, IfAddr4, RevNat4, RevNatId, RevSock4,
     RevSockKey4, ServiceKey4, ServiceValue4,
 };
 
@@ -26,8 +26,12 @@ pub static REV_NAT4: HashMap<RevNatId, RevNat4> = HashMap::pinned(capacity::REV_
 pub static REV_SOCK4: LruHashMap<RevSockKey4, RevSock4> =
     LruHashMap::pinned(capacity::REV_SOCK4, 0);
 
-#[map(name = "epx_stats_v1")]
-pub static STATS: PerCpuArray<u64> = PerCpuArray::pinned(stat::COUNT, 0);
+#[map(name = "epx_aff4_v1")]
+pub static AFFINITY4: LruHashMap<AffinityKey4, AffinityValue4> =
+    LruHashMap::pinned(capacity::AFFINITY4, 0);
+
+#[map(name = "epx_stats_v2")]
+pub static STATS: PerCpuArray<u64> = PerCpuArray::pinned(stat::SLOTS, 0);
 
 /// Connection tracking of the packet-level datapath: LRU, so a full table forgets the oldest flow
 /// instead of refusing a new one.

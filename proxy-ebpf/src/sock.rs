@@ -7,15 +7,14 @@
 
 use aya_ebpf::{
     bindings::bpf_sock_addr,
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
     EbpfContext,
 };
-use proxy_abi::{
-    stat, RevSock4, RevSockKey4, ServiceKey4, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL,
-};
+use proxy_abi::{stat, RevSock4, RevSockKey4, ServiceKey4, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL};
 
+use crate::affinity;
 use crate::maps::{count, BACKENDS4, REV_SOCK4, SERVICES4};
 
 /// Return value of a cgroup sock_addr program: let the syscall go on.
@@ -96,13 +95,25 @@ fn try_forward(ctx: &SockAddrContext, sa: *mut bpf_sock_addr) -> Result<(), Refu
         return Err(Refusal::NoBackend);
     }
 
-    let random = unsafe { bpf_get_prandom_u32() }.rotate_left(crate::VARIANT_ROTATE);
-    let slot = (random % u32::from(frontend.count)) as u16 + 1;
-    key.backend_slot = slot;
-    let Some(slot_value) = SERVICES4.get_ptr(&key) else { return Err(Refusal::LookupMiss) };
-    let backend_id = unsafe { (*slot_value).backend_id };
-    let Some(backend) = BACKENDS4.get_ptr(&backend_id) else { return Err(Refusal::LookupMiss) };
-    let backend = unsafe { *backend };
+    // sessionAffinity: ClientIP. From a socket the client is its network namespace (a pod, or
+    // the node), as Cilium's socket LB does: the source address is not chosen yet at connect().
+    let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let affinity_key = affinity::key(&frontend, client, proxy_abi::affinity::CLIENT_NETNS);
+    let (backend_id, backend) = match affinity_key.as_ref().and_then(|k| affinity::remembered(k, &frontend)) {
+        Some(chosen) => chosen,
+        None => {
+            let random = unsafe { bpf_get_prandom_u32() }.rotate_left(crate::VARIANT_ROTATE);
+            let slot = (random % u32::from(frontend.count)) as u16 + 1;
+            key.backend_slot = slot;
+            let Some(slot_value) = SERVICES4.get_ptr(&key) else { return Err(Refusal::LookupMiss) };
+            let backend_id = unsafe { (*slot_value).backend_id };
+            let Some(backend) = BACKENDS4.get_ptr(&backend_id) else { return Err(Refusal::LookupMiss) };
+            (backend_id, unsafe { *backend })
+        }
+    };
+    if let Some(key) = &affinity_key {
+        affinity::remember(key, backend_id);
+    }
 
     // Record the translation first, so the first reply can already be rewritten back.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };

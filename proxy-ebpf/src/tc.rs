@@ -28,6 +28,7 @@ use proxy_abi::{
 };
 
 use crate::ct::{forward_key, is_expired, now_ns, record, reply_key, reply_key_of, tcp_seen_after};
+use crate::affinity;
 use crate::maps::{count, BACKENDS4, CT4, IFADDR4, SERVICES4};
 use crate::packet::{
     parse, rewrite_addr, rewrite_inner_addr, rewrite_inner_port, rewrite_outer_daddr, rewrite_port, Flow,
@@ -103,17 +104,27 @@ fn ingress(ctx: &TcContext) -> i32 {
                 }
             };
         }
-        key.backend_slot = (unsafe { bpf_get_prandom_u32() } % u32::from(frontend.count)) as u16 + 1;
-        let Some(slot) = SERVICES4.get_ptr(&key) else {
-            count(stat::TC_LOOKUP_MISS);
-            return DROP;
+        // sessionAffinity: ClientIP, by the client's source address.
+        let affinity_key = affinity::key(&frontend, u64::from(flow.saddr_be), proxy_abi::affinity::CLIENT_IP4);
+        let (backend_id, backend) = match affinity_key.as_ref().and_then(|k| affinity::remembered(k, &frontend)) {
+            Some(chosen) => chosen,
+            None => {
+                key.backend_slot = (unsafe { bpf_get_prandom_u32() } % u32::from(frontend.count)) as u16 + 1;
+                let Some(slot) = SERVICES4.get_ptr(&key) else {
+                    count(stat::TC_LOOKUP_MISS);
+                    return DROP;
+                };
+                let backend_id = unsafe { (*slot).backend_id };
+                let Some(backend) = BACKENDS4.get_ptr(&backend_id) else {
+                    count(stat::TC_LOOKUP_MISS);
+                    return DROP;
+                };
+                (backend_id, unsafe { *backend })
+            }
         };
-        let backend_id = unsafe { (*slot).backend_id };
-        let Some(backend) = BACKENDS4.get_ptr(&backend_id) else {
-            count(stat::TC_LOOKUP_MISS);
-            return DROP;
-        };
-        let backend = unsafe { *backend };
+        if let Some(key) = &affinity_key {
+            affinity::remember(key, backend_id);
+        }
         let mut entry = CtEntry4 {
             backend_addr_be: backend.addr_be,
             frontend_addr_be: flow.daddr_be,

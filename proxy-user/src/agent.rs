@@ -60,6 +60,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         rev_nat: args.map_size_rev_nat,
         rev_sock: args.map_size_rev_sock,
         ct: args.map_size_ct,
+        affinity: args.map_size_affinity,
     };
     let _lock = take_writer_lock(&args.state_dir).await?;
     let object = match &args.bpf_object {
@@ -167,6 +168,16 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         let report = reconciler.reconcile(&desired);
         let elapsed = started.elapsed();
         abort_udp_sockets_to_gone_backends(&cgroup, &mut udp_backends, &desired);
+        if report.writes > 0 {
+            // Affinity and UDP flows that point at a backend their frontend no longer has.
+            match kernel::purge_stale_flows(&args.bpffs) {
+                Ok(purged) if purged != kernel::PurgedFlows::default() => {
+                    tracing::info!(affinity = purged.affinity, udp_conntrack = purged.udp_conntrack, "purged flows of removed backends");
+                }
+                Ok(_) => {}
+                Err(error) => tracing::warn!("cannot purge flows of removed backends: {}", error_chain(&error)),
+            }
+        }
 
         // Each problem is logged once while it persists, not on every retry.
         let mut current = BTreeSet::new();

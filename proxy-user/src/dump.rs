@@ -61,6 +61,21 @@ pub struct Dump {
     pub rev_sock_entries: usize,
     /// Flows the packet-level datapath translated (one line per flow, from its forward entry).
     pub conntrack: Vec<DumpedFlow>,
+    /// Session-affinity entries: which client was last sent to which backend of a frontend.
+    pub affinity: Vec<DumpedAffinity>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DumpedAffinity {
+    /// `netns:COOKIE` (a local client: pod or node, socket hooks) or the client's IP (packet path).
+    pub client: String,
+    /// `ip:port` of the frontend (from the reverse-NAT map), or `rev-nat:ID` if it is gone.
+    pub frontend: String,
+    pub rev_nat_id: u16,
+    pub backend: String,
+    pub backend_id: u32,
+    pub idle_seconds: u64,
 }
 
 #[derive(Serialize)]
@@ -81,12 +96,7 @@ fn flows(entries: Vec<(proxy_abi::CtKey4, proxy_abi::CtEntry4)>) -> Vec<DumpedFl
     use proxy_abi::ct;
     use std::net::{Ipv4Addr, SocketAddrV4};
     let addr = |a: u32, p: u16| SocketAddrV4::new(Ipv4Addr::from(u32::from_be(a)), u16::from_be(p)).to_string();
-    // SAFETY: clock_gettime with a valid out-parameter; the kernel side stamps with the same clock.
-    let now_ns = unsafe {
-        let mut ts: libc::timespec = std::mem::zeroed();
-        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts);
-        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-    };
+    let now_ns = monotonic_now_ns();
     let mut flows: Vec<DumpedFlow> = entries
         .into_iter()
         .filter(|(key, _)| key.dir == ct::DIR_FORWARD)
@@ -115,6 +125,45 @@ fn flows(entries: Vec<(proxy_abi::CtKey4, proxy_abi::CtEntry4)>) -> Vec<DumpedFl
         .collect();
     flows.sort_by(|a, b| (&a.frontend, &a.client).cmp(&(&b.frontend, &b.client)));
     flows
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock the kernel side stamps entries with.
+fn monotonic_now_ns() -> u64 {
+    // SAFETY: clock_gettime with a valid out-parameter.
+    unsafe {
+        let mut ts: libc::timespec = std::mem::zeroed();
+        libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts);
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    }
+}
+
+fn affinity_entries(
+    entries: Vec<(proxy_abi::AffinityKey4, proxy_abi::AffinityValue4)>,
+    rev_nats: &BTreeMap<u16, proxy_abi::RevNat4>,
+    backends: &BTreeMap<u32, proxy_abi::Backend4>,
+) -> Vec<DumpedAffinity> {
+    use std::net::{Ipv4Addr, SocketAddrV4};
+    let addr = |a: u32, p: u16| SocketAddrV4::new(Ipv4Addr::from(u32::from_be(a)), u16::from_be(p)).to_string();
+    let now_ns = monotonic_now_ns();
+    let mut dumped: Vec<DumpedAffinity> = entries
+        .into_iter()
+        .map(|(key, value)| DumpedAffinity {
+            client: if key.kind == proxy_abi::affinity::CLIENT_IP4 {
+                Ipv4Addr::from(u32::from_be(key.client as u32)).to_string()
+            } else {
+                format!("netns:{}", key.client)
+            },
+            frontend: rev_nats
+                .get(&key.rev_nat_id)
+                .map_or_else(|| format!("rev-nat:{}", key.rev_nat_id), |r| addr(r.addr_be, r.port_be)),
+            rev_nat_id: key.rev_nat_id,
+            backend: backends.get(&value.backend_id).map_or_else(|| "(gone)".to_owned(), |b| addr(b.addr_be, b.port_be)),
+            backend_id: value.backend_id,
+            idle_seconds: now_ns.saturating_sub(value.last_used_ns) / 1_000_000_000,
+        })
+        .collect();
+    dumped.sort_by(|a, b| (&a.frontend, &a.client).cmp(&(&b.frontend, &b.client)));
+    dumped
 }
 
 pub fn collect(bpffs: &Path) -> anyhow::Result<Dump> {
@@ -155,7 +204,9 @@ pub fn collect(bpffs: &Path) -> anyhow::Result<Dump> {
         .collect();
     let rev_sock_entries = kernel::count_rev_sock_entries(bpffs)?;
     let conntrack = flows(kernel::conntrack_entries(bpffs)?);
-    Ok(Dump { services, counters, rev_sock_entries, conntrack })
+    let rev_nats: BTreeMap<_, _> = maps.rev_nats()?.into_iter().collect();
+    let affinity = affinity_entries(kernel::affinity_entries(bpffs)?, &rev_nats, &backends);
+    Ok(Dump { services, counters, rev_sock_entries, conntrack, affinity })
 }
 
 pub fn print_text(dump: &Dump) {
@@ -198,5 +249,10 @@ pub fn print_text(dump: &Dump) {
             "  {:<4} {:<22} -> {:<22} -> {:<22} {:<12} idle {}s",
             flow.protocol, flow.client, flow.frontend, flow.backend, flow.tcp_state, flow.idle_seconds
         );
+    }
+    println!();
+    println!("session affinity ({} entries):", dump.affinity.len());
+    for entry in &dump.affinity {
+        println!("  {:<22} -> {:<22} -> {:<22} idle {}s", entry.client, entry.frontend, entry.backend, entry.idle_seconds);
     }
 }

@@ -73,6 +73,8 @@ pub enum DatapathError {
         #[source]
         source: aya::programs::ProgramError,
     },
+    #[error("cannot read the service map")]
+    ReadServices(#[source] MapError),
     #[error("cannot write map {name}")]
     MapWrite {
         name: &'static str,
@@ -102,6 +104,7 @@ pub struct MapCapacities {
     pub rev_nat: u32,
     pub rev_sock: u32,
     pub ct: u32,
+    pub affinity: u32,
 }
 
 impl Default for MapCapacities {
@@ -112,6 +115,7 @@ impl Default for MapCapacities {
             rev_nat: capacity::REV_NAT4,
             rev_sock: capacity::REV_SOCK4,
             ct: capacity::CT4,
+            affinity: capacity::AFFINITY4,
         }
     }
 }
@@ -125,7 +129,7 @@ struct MapLayout {
     max_entries: u32,
 }
 
-fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 7] {
+fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 8] {
     use std::mem::size_of;
     let size = |n: usize| n as u32;
     [
@@ -162,7 +166,14 @@ fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 7] {
             map_type: MapType::PerCpuArray,
             key_size: 4,
             value_size: 8,
-            max_entries: proxy_abi::stat::COUNT,
+            max_entries: proxy_abi::stat::SLOTS,
+        },
+        MapLayout {
+            name: map_name::AFFINITY4,
+            map_type: MapType::LruHash,
+            key_size: size(size_of::<proxy_abi::AffinityKey4>()),
+            value_size: size(size_of::<proxy_abi::AffinityValue4>()),
+            max_entries: caps.affinity,
         },
         MapLayout {
             name: map_name::CT4,
@@ -265,6 +276,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities, object: Option<&[
         .map_max_entries(map_name::REV_NAT4, caps.rev_nat)
         .map_max_entries(map_name::REV_SOCK4, caps.rev_sock)
         .map_max_entries(map_name::CT4, caps.ct)
+        .map_max_entries(map_name::AFFINITY4, caps.affinity)
         .load(object)
         .map_err(DatapathError::Load)?;
 
@@ -526,6 +538,75 @@ pub fn conntrack_entries(bpffs: &Path) -> Result<Vec<(CtKey4, CtEntry4)>, Datapa
         .map_err(|source| DatapathError::MapLayout { name, source })?;
     // Entries may be evicted while iterating (LRU): skip what vanished under us.
     Ok(lru.iter().filter_map(Result::ok).collect())
+}
+
+/// The session-affinity entries, from the pinned LRU.
+pub fn affinity_entries(bpffs: &Path) -> Result<Vec<(proxy_abi::AffinityKey4, proxy_abi::AffinityValue4)>, DatapathError> {
+    let name = map_name::AFFINITY4;
+    let lru = HashMap::<MapData, proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>::try_from(open_pinned_map(bpffs, name)?)
+        .map_err(|source| DatapathError::MapLayout { name, source })?;
+    Ok(lru.iter().filter_map(Result::ok).collect())
+}
+
+/// What [`purge_stale_flows`] deleted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PurgedFlows {
+    pub affinity: usize,
+    pub udp_conntrack: usize,
+}
+
+/// Deletes the session-affinity entries and the UDP conntrack entries that point at a backend
+/// which is no longer one of its frontend's backends, so that those clients and flows pick a live
+/// backend at their next packet. What is live is read from the pinned service map itself.
+/// TCP conntrack is kept: an established TCP connection to a removed (terminating) backend goes
+/// on until it ends, as with kube-proxy, which flushes conntrack for UDP only.
+pub fn purge_stale_flows(bpffs: &Path) -> Result<PurgedFlows, DatapathError> {
+    let maps = KernelMaps::open_pinned(bpffs)?;
+    let services = maps.services().map_err(DatapathError::ReadServices)?;
+    // (rev_nat_id, backend_id) pairs in use: a slot's frontend is its slot-0 entry.
+    let rev_nat_of: std::collections::HashMap<ServiceKey4, RevNatId> = services
+        .iter()
+        .filter(|(k, _)| k.backend_slot == 0)
+        .map(|(k, v)| (*k, v.rev_nat_id))
+        .collect();
+    let live: std::collections::HashSet<(RevNatId, BackendId)> = services
+        .iter()
+        .filter(|(k, _)| k.backend_slot != 0)
+        .filter_map(|(k, v)| Some((*rev_nat_of.get(&ServiceKey4 { backend_slot: 0, ..*k })?, v.backend_id)))
+        .collect();
+
+    let mut purged = PurgedFlows::default();
+    let name = map_name::AFFINITY4;
+    let mut affinity = HashMap::<MapData, proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>::try_from(open_pinned_map(bpffs, name)?)
+        .map_err(|source| DatapathError::MapLayout { name, source })?;
+    let stale: Vec<_> = affinity
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, v)| !live.contains(&(k.rev_nat_id, v.backend_id)))
+        .map(|(k, _)| k)
+        .collect();
+    for key in stale {
+        // Already evicted or expired meanwhile: fine either way.
+        if affinity.remove(&key).is_ok() {
+            purged.affinity += 1;
+        }
+    }
+
+    let name = map_name::CT4;
+    let mut ct = HashMap::<MapData, CtKey4, CtEntry4>::try_from(open_pinned_map(bpffs, name)?)
+        .map_err(|source| DatapathError::MapLayout { name, source })?;
+    let stale: Vec<_> = ct
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, v)| k.proto == proxy_abi::IPPROTO_UDP && !live.contains(&(v.rev_nat_id, v.backend_id)))
+        .map(|(k, _)| k)
+        .collect();
+    for key in stale {
+        if ct.remove(&key).is_ok() {
+            purged.udp_conntrack += 1;
+        }
+    }
+    Ok(purged)
 }
 
 /// Detaches (by unpinning the links) and unpins everything under `bpffs`. Returns what it removed.

@@ -115,6 +115,9 @@ pub struct AgentArgs {
     /// Capacity of the connection-tracking LRU of the packet-level datapath (two entries per flow).
     #[arg(long, default_value_t = proxy_abi::capacity::CT4)]
     pub map_size_ct: u32,
+    /// Capacity of the session-affinity LRU (client × frontend with `sessionAffinity: ClientIP`).
+    #[arg(long, default_value_t = proxy_abi::capacity::AFFINITY4)]
+    pub map_size_affinity: u32,
     /// Load the kernel programs from this eBPF object file instead of the one built into the
     /// binary (a hotfix or an upgrade test). The attached programs are swapped atomically.
     #[arg(long)]

@@ -35,6 +35,16 @@ spec:
     )
 }
 
+/// `service` (YAML of one Service) with `sessionAffinity: ClientIP` and the given timeout.
+pub fn with_affinity(service: &str, timeout_seconds: u32) -> String {
+    assert!(service.contains("\nspec:\n"), "not a Service manifest: {service}");
+    service.replacen(
+        "\nspec:\n",
+        &format!("\nspec:\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {timeout_seconds}}}}}\n"),
+        1,
+    )
+}
+
 pub fn service(name: &str, vip: &str) -> String {
     format!(
         r#"apiVersion: v1

@@ -185,6 +185,8 @@ fn an_expired_watch_410_gone_relists_without_removing_any_service() {
     let revision = env.api.compact_etcd().expect("compact etcd");
     eprintln!("etcd compacted at revision {revision}");
     let sampler = FrontendSampler::start(env.agent.bpffs.clone());
+    let traffic = SteadyTraffic::start(&env.topo, "client", &format!("{VIP}:80"), &format!("{VIP}:53"), 20, 2, Duration::from_secs(40))
+        .expect("steady traffic");
     env.within(Duration::from_secs(45), "a 410 Gone and the relist after it", |e| {
         let log = e.agent.log_text();
         let gone = log.find(EXPIRED);
@@ -192,6 +194,10 @@ fn an_expired_watch_410_gone_relists_without_removing_any_service() {
     });
     std::thread::sleep(Duration::from_secs(1));
     let counts = sampler.finish();
+    let seen = traffic.finish().expect("traffic");
+    eprintln!("{seen:?}");
+    assert_eq!(seen.failed(), 0, "connections failed around the 410 and relist: {seen:?}");
+    assert_eq!(seen.streams.ok, 2, "long-lived streams must survive: {seen:?}");
 
     let log = env.agent.log_text();
     for line in log.lines().filter(|l| l.contains("watch failed")) {

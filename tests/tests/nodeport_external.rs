@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use aya::programs::{SchedClassifier, TcAttachType};
 use e2e::agent::{Agent, AgentDir};
-use e2e::kube_scenario::{node_port_service, slice};
+use e2e::kube_scenario::{node_port_service, slice, with_affinity};
 use e2e::probe::{self, SteadyTraffic, Summary};
 use e2e::scenario;
 use e2e::topology::{in_netns, run, ExternalClient, Topology};
@@ -279,4 +279,25 @@ fn long_lived_streams_from_outside_keep_their_backend_while_the_backend_set_chan
     assert_eq!(seen.failed(), 0, "no request, connection or stream may fail: {seen:?}");
     assert_eq!(seen.streams.ok, 8, "{seen:?}");
     assert!(seen.streams.answered_by("be2") > 0, "some stream must have run on be2 through the change: {seen:?}");
+}
+
+#[test]
+fn session_affinity_keeps_an_external_client_on_one_backend() {
+    let sticky = with_affinity(&node_port_service("web", scenario::VIP, TCP_NODE_PORT), 600);
+    let manifest = format!("{sticky}---\n{}", slice("web", &["10.244.1.11", "10.244.1.12"]));
+    let Env { agent, _dir, client, _servers, topo: _topo } = start(&manifest, &[]);
+    wait_for_frontend(&agent, &client.node_ip, TCP_NODE_PORT);
+
+    // Each connection is a new flow (new source port): only affinity keeps the backend.
+    let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 15);
+    assert_eq!((tcp.ok, tcp.answers.len()), (15, 1), "15 identical answers in a row: {tcp:?}");
+    let udp = probe_from(&client, "udp", UDP_NODE_PORT, 15);
+    assert_eq!((udp.ok, udp.answers.len()), (15, 1), "15 identical answers in a row: {udp:?}");
+    let dump = agent.dump().expect("dump");
+    let entries = dump["affinity"].as_array().expect("affinity in dump");
+    assert!(
+        entries.iter().any(|e| e["client"] == client.ip.as_str() && e["frontend"] == format!("{}:{TCP_NODE_PORT}", client.node_ip)),
+        "no affinity entry keyed by the client's address: {entries:#?}"
+    );
+    assert!(dump["counters"]["affinity_hit"].as_u64() >= Some(28), "{:#}", dump["counters"]);
 }

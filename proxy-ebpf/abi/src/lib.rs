@@ -14,12 +14,14 @@ pub mod map_name {
     pub const BACKENDS4: &str = "epx_be4_v1";
     pub const REV_NAT4: &str = "epx_revnat4_v1";
     pub const REV_SOCK4: &str = "epx_revsk4_v1";
-    pub const STATS: &str = "epx_stats_v1";
+    /// v2: 64 slots (v1 had exactly as many as counters, so every new counter broke upgrades).
+    pub const STATS: &str = "epx_stats_v2";
     pub const CT4: &str = "epx_ct4_v1";
     pub const IFADDR4: &str = "epx_ifaddr4_v1";
+    pub const AFFINITY4: &str = "epx_aff4_v1";
 
     /// Every map the agent owns, in the order `dump` prints them.
-    pub const ALL: [&str; 7] = [SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS, CT4, IFADDR4];
+    pub const ALL: [&str; 8] = [SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS, CT4, IFADDR4, AFFINITY4];
 }
 
 /// Default capacities; the agent can override each one at load time.
@@ -35,6 +37,8 @@ pub mod capacity {
     pub const CT4: u32 = 262_144;
     /// One entry per interface the packet-level programs are attached to.
     pub const IFADDR4: u32 = 1_024;
+    /// LRU: one entry per (client, frontend with `sessionAffinity: ClientIP`).
+    pub const AFFINITY4: u32 = 65_536;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -200,7 +204,15 @@ pub mod stat {
     /// TC ingress: an ICMP error about a translated flow (e.g. "fragmentation needed") was
     /// translated, outer and quoted headers, and sent on to the backend or the client.
     pub const TC_ICMP_ERROR_XLATE: u32 = 21;
-    pub const COUNT: u32 = 22;
+    /// A frontend with session affinity sent the client to the backend it used before.
+    pub const AFFINITY_HIT: u32 = 22;
+    /// The affinity entry could not be written (the connection still went through).
+    pub const AFFINITY_RECORD_FAIL: u32 = 23;
+    pub const COUNT: u32 = 24;
+    /// Slots of the stats map: more than `COUNT`, so that a new counter does not change the
+    /// pinned map's layout (an upgrade keeps the map and its counts).
+    pub const SLOTS: u32 = 64;
+    const _: () = assert!(COUNT <= SLOTS);
 
     pub const NAMES: [&str; COUNT as usize] = [
         "sock_xlate",
@@ -225,6 +237,8 @@ pub mod stat {
         "tc_snat_no_port",
         "tc_fib_fail",
         "tc_icmp_error_xlate",
+        "affinity_hit",
+        "affinity_record_fail",
     ];
 }
 
@@ -269,6 +283,39 @@ pub struct IfAddr4 {
     pub addr_be: u32,
 }
 const _: () = assert!(size_of::<IfAddr4>() == 4);
+
+/// `AffinityKey4::kind`: what identifies the client.
+pub mod affinity {
+    /// The client's network namespace cookie (socket hooks: a pod, or the node itself).
+    pub const CLIENT_NETNS: u8 = 0;
+    /// The client's IPv4 source address (packet path), in the low 32 bits of `client`.
+    pub const CLIENT_IP4: u8 = 1;
+}
+
+/// Key of the session-affinity LRU (`sessionAffinity: ClientIP`): a client and a frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub struct AffinityKey4 {
+    pub client: u64,
+    pub rev_nat_id: u16,
+    /// `affinity::CLIENT_*`.
+    pub kind: u8,
+    pub pad: [u8; 5],
+}
+const _: () = assert!(size_of::<AffinityKey4>() == 16);
+
+/// Value of the session-affinity LRU: the backend the client was sent to, and when it last was.
+/// An entry older than the frontend's timeout is ignored; the agent deletes entries whose
+/// backend left the frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct AffinityValue4 {
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the last use.
+    pub last_used_ns: u64,
+    pub backend_id: u32,
+    pub pad: [u8; 4],
+}
+const _: () = assert!(size_of::<AffinityValue4>() == 16);
 
 /// Key of the conntrack LRU: a 5-tuple as the node sees it, plus its direction.
 #[repr(C)]
@@ -325,4 +372,6 @@ mod pod {
     unsafe impl aya::Pod for CtKey4 {}
     unsafe impl aya::Pod for CtEntry4 {}
     unsafe impl aya::Pod for IfAddr4 {}
+    unsafe impl aya::Pod for AffinityKey4 {}
+    unsafe impl aya::Pod for AffinityValue4 {}
 }

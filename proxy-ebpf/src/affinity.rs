@@ -1,0 +1,42 @@
+//! Session affinity (`sessionAffinity: ClientIP`), shared by the socket hooks and the TC
+//! programs: a client that used a frontend within its timeout gets the same backend again.
+
+use aya_ebpf::helpers::bpf_ktime_get_ns;
+use proxy_abi::{stat, svc_flags, AffinityKey4, AffinityValue4, Backend4, ServiceValue4};
+
+use crate::maps::{count, AFFINITY4, BACKENDS4};
+
+/// The client's affinity entry for a frontend, when the frontend has affinity on.
+#[inline(always)]
+pub fn key(frontend: &ServiceValue4, client: u64, kind: u8) -> Option<AffinityKey4> {
+    (frontend.flags & svc_flags::AFFINITY != 0).then_some(AffinityKey4 {
+        client,
+        rev_nat_id: frontend.rev_nat_id,
+        kind,
+        pad: [0; 5],
+    })
+}
+
+/// The backend this client used last for this frontend, if within the frontend's timeout
+/// (slot 0's `backend_id`, in seconds) and still present. The agent deletes entries whose
+/// backend left the frontend, so a present backend is one of the frontend's.
+#[inline(always)]
+pub fn remembered(key: &AffinityKey4, frontend: &ServiceValue4) -> Option<(u32, Backend4)> {
+    let entry = unsafe { *AFFINITY4.get_ptr(key)? };
+    let now = unsafe { bpf_ktime_get_ns() };
+    if now.saturating_sub(entry.last_used_ns) > u64::from(frontend.backend_id) * 1_000_000_000 {
+        return None;
+    }
+    let backend = unsafe { *BACKENDS4.get_ptr(&entry.backend_id)? };
+    count(stat::AFFINITY_HIT);
+    Some((entry.backend_id, backend))
+}
+
+/// Records (or refreshes) the client's backend for the frontend.
+#[inline(always)]
+pub fn remember(key: &AffinityKey4, backend_id: u32) {
+    let value = AffinityValue4 { last_used_ns: unsafe { bpf_ktime_get_ns() }, backend_id, pad: [0; 4] };
+    if AFFINITY4.insert(key, &value, 0).is_err() {
+        count(stat::AFFINITY_RECORD_FAIL);
+    }
+}
