@@ -75,6 +75,8 @@ pub enum DatapathError {
     },
     #[error("cannot read the service map")]
     ReadServices(#[source] MapError),
+    #[error("this kernel lacks {feature}, added in {since}: {hint}")]
+    MissingKernelFeature { feature: &'static str, since: &'static str, hint: &'static str },
     #[error("cannot write map {name}")]
     MapWrite {
         name: &'static str,

@@ -54,18 +54,31 @@ fn wait_for_frontend(agent: &Agent, ip: &str, port: u16) {
     }
 }
 
-/// Names of the tcx programs on the node's side of the client's link, (ingress, egress).
-fn tcx_programs(topo: &Topology, client: &ExternalClient) -> (Vec<String>, Vec<String>) {
+/// Names of the tcx programs on the node's side of the client's link, (ingress, egress); `None`
+/// on a kernel without tcx (before 6.6), where querying tcx fails with EINVAL.
+fn tcx_programs_if_supported(topo: &Topology, client: &ExternalClient) -> Option<(Vec<String>, Vec<String>)> {
     let names = |attach_type| {
-        in_netns(&topo.node.path(), || SchedClassifier::query_tcx(&client.node_interface, attach_type))
-            .expect("entering the node namespace")
-            .expect("querying tcx")
-            .1
-            .iter()
-            .map(|p| p.name_as_str().unwrap_or("?").to_owned())
-            .collect::<Vec<_>>()
+        let answer = in_netns(&topo.node.path(), || SchedClassifier::query_tcx(&client.node_interface, attach_type))
+            .expect("entering the node namespace");
+        match answer {
+            Ok((_, programs)) => Some(programs.iter().map(|p| p.name_as_str().unwrap_or("?").to_owned()).collect::<Vec<_>>()),
+            Err(error) if error.to_string().contains("Invalid argument") || format!("{error:?}").contains("22") => None,
+            Err(error) => panic!("querying tcx: {error}"),
+        }
     };
-    (names(TcAttachType::Ingress), names(TcAttachType::Egress))
+    Some((names(TcAttachType::Ingress)?, names(TcAttachType::Egress)?))
+}
+
+/// The tcx programs on the node's side of the client's link (none on a kernel without tcx).
+fn tcx_programs(topo: &Topology, client: &ExternalClient) -> (Vec<String>, Vec<String>) {
+    tcx_programs_if_supported(topo, client).unwrap_or_default()
+}
+
+/// Our programs on the node's side of the client's link, (ingress, egress): the tcx ones where
+/// the kernel has tcx, else the classic clsact filters (the fallback `auto` takes there).
+fn attached_programs(topo: &Topology, client: &ExternalClient) -> (Vec<String>, Vec<String>) {
+    tcx_programs_if_supported(topo, client)
+        .unwrap_or_else(|| (classic_programs(topo, client, "ingress"), classic_programs(topo, client, "egress")))
 }
 
 /// The node with be1 and be2 serving, an external client, and the agent in the node namespace
@@ -123,21 +136,24 @@ fn nodeport_from_an_external_client_reaches_pods_over_tcp_and_udp_and_refuses_wi
     // Once per direction, pinned: an agent crash keeps serving, a restart swaps the program in
     // place instead of attaching a second copy.
     let attached = (vec!["epx_tc_ingress".to_owned()], vec!["epx_tc_egress".to_owned()]);
-    assert_eq!(tcx_programs(&topo, &client), attached);
+    assert_eq!(attached_programs(&topo, &client), attached);
     let mut agent = agent;
     agent.kill().expect("kill");
     let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 20);
     assert_eq!(tcp.ok, 20, "with the agent dead: {tcp:?}");
     agent.restart().expect("restart");
-    assert_eq!(tcx_programs(&topo, &client), attached, "a restart must not attach twice");
+    assert_eq!(attached_programs(&topo, &client), attached, "a restart must not attach twice");
     let udp = probe_from(&client, "udp", UDP_NODE_PORT, 20);
     assert_eq!(udp.ok, 20, "after the restart: {udp:?}");
 
     // `cleanup` detaches them: nothing translates the NodePort any more (the node itself has no
     // listener there, so its kernel refuses).
     agent.kill().expect("kill");
-    run(std::process::Command::new(e2e::bin("ebpf-proxy")).arg("cleanup").arg("--bpffs").arg(&agent.bpffs)).expect("cleanup");
-    assert_eq!(tcx_programs(&topo, &client), (Vec::new(), Vec::new()));
+    // It runs where the agent runs: a clsact filter (kernels without tcx) is found by interface name.
+    let mut cleanup = std::process::Command::new(e2e::bin("ebpf-proxy"));
+    e2e::topology::enter_netns_on_exec(&mut cleanup, &topo.node.path()).expect("netns");
+    run(cleanup.arg("cleanup").arg("--bpffs").arg(&agent.bpffs)).expect("cleanup");
+    assert_eq!(attached_programs(&topo, &client), (Vec::new(), Vec::new()));
     let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 3);
     assert_eq!((tcp.ok, tcp.errors_of("ECONNREFUSED")), (0, 3), "after cleanup: {tcp:?}");
 }
@@ -219,12 +235,22 @@ fn nodeport_and_external_ip_to_a_backend_on_another_node_are_snated_and_the_answ
     assert_eq!(counter("tc_fib_fail"), 0, "{:#}", dump["counters"]);
 }
 
-/// How many of our classic tc filters the node's side of the client's link has in `direction`
-/// (`ingress` or `egress`).
-fn classic_filters(topo: &Topology, client: &ExternalClient, direction: &str) -> usize {
+/// Our classic tc filters on the node's side of the client's link in `direction` (`ingress` or
+/// `egress`), by program name.
+fn classic_programs(topo: &Topology, client: &ExternalClient, direction: &str) -> Vec<String> {
     let output = topo.node.exec(&["tc", "filter", "show", "dev", &client.node_interface, direction]).expect("tc filter show");
     // One line per filter: `filter protocol all pref 49152 bpf chain 0 handle 0x1 epx_tc_ingress ...`.
-    String::from_utf8_lossy(&output.stdout).lines().filter(|line| line.contains(" bpf ") && line.contains("epx_tc_")).count()
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|line| line.contains(" bpf "))
+        .filter_map(|line| line.split_whitespace().find(|word| word.starts_with("epx_tc_")))
+        .map(|name| name.split(':').next().unwrap_or(name).to_owned())
+        .collect()
+}
+
+/// How many of our classic tc filters there are in `direction`.
+fn classic_filters(topo: &Topology, client: &ExternalClient, direction: &str) -> usize {
+    classic_programs(topo, client, direction).len()
 }
 
 #[test]
@@ -300,4 +326,42 @@ fn session_affinity_keeps_an_external_client_on_one_backend() {
         "no affinity entry keyed by the client's address: {entries:#?}"
     );
     assert!(dump["counters"]["affinity_hit"].as_u64() >= Some(28), "{:#}", dump["counters"]);
+}
+
+#[test]
+fn the_same_node_port_number_serves_tcp_and_udp_at_once_from_outside() {
+    // As kube-apiserver allows it: one Service port number (53) on both protocols shares one
+    // nodePort.
+    let dns = format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: dns, namespace: demo}}
+spec:
+  type: NodePort
+  clusterIP: {}
+  ports:
+  - {{name: dns-tcp, port: 53, targetPort: 8080, protocol: TCP, nodePort: {TCP_NODE_PORT}}}
+  - {{name: dns, port: 53, targetPort: 5353, protocol: UDP, nodePort: {TCP_NODE_PORT}}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: dns-abc
+  namespace: demo
+  labels: {{kubernetes.io/service-name: dns}}
+addressType: IPv4
+endpoints:
+- {{addresses: [10.244.1.11], conditions: {{ready: true}}, nodeName: node-1}}
+- {{addresses: [10.244.1.12], conditions: {{ready: true}}, nodeName: node-1}}
+ports:
+- {{name: dns-tcp, port: 8080, protocol: TCP}}
+- {{name: dns, port: 5353, protocol: UDP}}
+"#,
+        scenario::VIP
+    );
+    let Env { agent, _dir, client, _servers, topo: _topo } = start(&dns, &[]);
+    wait_for_frontend(&agent, &client.node_ip, TCP_NODE_PORT);
+    let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 30);
+    let udp = probe_from(&client, "udp", TCP_NODE_PORT, 30);
+    assert_eq!((tcp.ok, udp.ok), (30, 30), "TCP and UDP on one nodePort: {tcp:?} {udp:?}");
 }

@@ -25,6 +25,7 @@ pub const DEFAULT_TESTS: &[&str] = &[
     "socket_lb",
     "agent_restart",
     "stale_udp",
+    "affinity",
     "map_full",
     "service_types",
     "tc_packets",
@@ -52,7 +53,7 @@ pub const DEFAULT_TIMEOUT_SECS: u64 = 1200;
 const PER_BINARY_TIMEOUT_SECS: u64 = 300;
 
 /// Programs the tests run by name, found on the host's PATH and placed in the VM's /usr/sbin.
-const TOOLS: &[&str] = &["ip", "sysctl"];
+const TOOLS: &[&str] = &["ip", "sysctl", "tc"];
 
 pub struct Options {
     pub kernel: String,
@@ -90,45 +91,54 @@ fn cache_dir() -> PathBuf {
     PathBuf::from(home).join(".cache/ebpf-proxy/vm")
 }
 
-/// The versioned image package the metapackage depends on (`linux-image-6.1.0-NN-cloud-amd64`).
-fn image_package() -> anyhow::Result<String> {
-    let depends = || -> anyhow::Result<Option<String>> {
-        let output = Command::new("apt-cache").args(["depends", KERNEL_METAPACKAGE]).output().context("running apt-cache")?;
-        Ok(String::from_utf8_lossy(&output.stdout)
-            .lines()
-            .find_map(|l| l.trim().strip_prefix("Depends: ").filter(|p| p.starts_with("linux-image-")).map(str::to_owned)))
-    };
-    if let Some(package) = depends()? {
-        return Ok(package);
-    }
-    step("apt-get update (the package lists do not know the VM kernel)");
-    run(Command::new("apt-get").args(["update", "-q"]))?;
-    depends()?.with_context(|| format!("apt-cache knows no {KERNEL_METAPACKAGE}: this command needs Debian 12's package lists"))
+/// The versioned image package the metapackage depends on (`linux-image-6.1.0-NN-cloud-amd64`),
+/// by the current package lists.
+fn image_package() -> anyhow::Result<Option<String>> {
+    let output = Command::new("apt-cache").args(["depends", KERNEL_METAPACKAGE]).output().context("running apt-cache")?;
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Depends: ").filter(|p| p.starts_with("linux-image-")).map(str::to_owned)))
 }
 
-/// Downloads (once) and extracts the kernel package into the cache; never installs it.
+/// Downloads `package` and extracts it to `dir`; never installs it.
+fn download(package: &str, dir: &Path) -> anyhow::Result<()> {
+    step(&format!("downloading {package} into {} (extracted, not installed)", cache_dir().display()));
+    let download = cache_dir().join("download");
+    let _ = fs::remove_dir_all(&download);
+    fs::create_dir_all(&download)?;
+    run(Command::new("apt-get").current_dir(&download).args(["download", "-q", package]))?;
+    let deb = fs::read_dir(&download)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .with_context(|| format!("apt-get download left no .deb in {}", download.display()))?;
+    let extracted = cache_dir().join(format!("{package}.partial"));
+    let _ = fs::remove_dir_all(&extracted);
+    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&extracted))?;
+    fs::rename(&extracted, dir)?;
+    fs::remove_dir_all(&download)?;
+    Ok(())
+}
+
+/// The kernel `version` (a series such as "6.1") from the cache, downloaded the first time.
 fn kernel(version: &str) -> anyhow::Result<Kernel> {
-    let package = image_package()?;
+    let cached = image_package()?.map(|p| (cache_dir().join(&p), p)).filter(|(dir, _)| dir.join("boot").is_dir());
+    let (dir, package) = match cached {
+        Some(found) => found,
+        None => {
+            // Lists older than the mirror name a build it no longer has: refresh them first.
+            step("apt-get update (before downloading the VM kernel)");
+            run(Command::new("apt-get").args(["update", "-q"]))?;
+            let package = image_package()?
+                .with_context(|| format!("apt-cache knows no {KERNEL_METAPACKAGE}: this needs Debian 12's package lists"))?;
+            (cache_dir().join(&package), package)
+        }
+    };
     if !package.starts_with(&format!("linux-image-{version}.")) {
         bail!("--kernel {version}: this machine's {KERNEL_METAPACKAGE} is {package}; only that kernel can be tested here");
     }
-    let dir = cache_dir().join(&package);
     if !dir.join("boot").is_dir() {
-        step(&format!("downloading {package} into {} (extracted, not installed)", cache_dir().display()));
-        let download = cache_dir().join("download");
-        let _ = fs::remove_dir_all(&download);
-        fs::create_dir_all(&download)?;
-        run(Command::new("apt-get").current_dir(&download).args(["download", "-q", &package]))?;
-        let deb = fs::read_dir(&download)?
-            .flatten()
-            .map(|e| e.path())
-            .find(|p| p.extension().is_some_and(|x| x == "deb"))
-            .with_context(|| format!("apt-get download left no .deb in {}", download.display()))?;
-        let extracted = cache_dir().join(format!("{package}.partial"));
-        let _ = fs::remove_dir_all(&extracted);
-        run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&extracted))?;
-        fs::rename(&extracted, &dir)?;
-        fs::remove_dir_all(&download)?;
+        download(&package, &dir)?;
     }
     let vmlinuz = fs::read_dir(dir.join("boot"))?
         .flatten()

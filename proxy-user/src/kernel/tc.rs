@@ -199,6 +199,15 @@ fn attach_one(
         {
             attach_legacy(program, name, attach_type, interface, links)
         }
+        Err(ProgramError::SyscallError(SyscallError { io_error, .. }))
+            if mode == AttachMode::Tcx && io_error.raw_os_error() == Some(libc::EINVAL) =>
+        {
+            Err(DatapathError::MissingKernelFeature {
+                feature: "tcx (BPF links for tc)",
+                since: "Linux 6.6",
+                hint: "use --tc-attach=auto (or legacy) to attach through a clsact qdisc instead",
+            })
+        }
         Err(source) => Err(attach_err(source)),
     }
 }
