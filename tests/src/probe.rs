@@ -119,13 +119,25 @@ impl Drop for Server {
 /// Starts `epx-probe serve` in `pod`, answering with `name` on the given ports, and waits
 /// until it listens.
 pub fn serve(topology: &Topology, pod: &str, name: &str, tcp: &[u16], udp: &[u16]) -> anyhow::Result<Server> {
+    serve_with_peer(topology, pod, name, tcp, udp, &[])
+}
+
+/// As [`serve`], plus TCP ports `tcp_peer` on which the answer is `NAME from CLIENT_IP`: the
+/// source address the backend saw (to tell SNAT from a preserved client address).
+pub fn serve_with_peer(
+    topology: &Topology,
+    pod: &str,
+    name: &str,
+    tcp: &[u16],
+    udp: &[u16],
+    tcp_peer: &[u16],
+) -> anyhow::Result<Server> {
     let mut cmd = topology.command_in(pod, &crate::bin("epx-probe"))?;
     cmd.args(["serve", "--name", name]);
-    for port in tcp {
-        cmd.args(["--tcp", &port.to_string()]);
-    }
-    for port in udp {
-        cmd.args(["--udp", &port.to_string()]);
+    for (flag, ports) in [("--tcp", tcp), ("--udp", udp), ("--tcp-peer", tcp_peer)] {
+        for port in ports {
+            cmd.args([flag, &port.to_string()]);
+        }
     }
     let mut child = cmd.stdout(Stdio::piped()).spawn().context("spawning epx-probe serve")?;
     let mut line = String::new();

@@ -365,3 +365,50 @@ ports:
     let udp = probe_from(&client, "udp", TCP_NODE_PORT, 30);
     assert_eq!((tcp.ok, udp.ok), (30, 30), "TCP and UDP on one nodePort: {tcp:?} {udp:?}");
 }
+
+#[test]
+fn external_traffic_policy_local_serves_only_local_endpoints_and_keeps_the_client_address() {
+    let mut topo = Topology::new().expect("topology");
+    topo.add_pod("be1", 11).expect("be1 pod");
+    let client = topo.add_external_client("ext").expect("external client");
+    // The other node answers only to this node's address: without SNAT it could not answer.
+    let far = topo.add_remote_pod("far", 10, &[&format!("{}/32", client.node_ip)]).expect("remote pod").ip.clone();
+    let _servers = [
+        probe::serve_with_peer(&topo, "be1", "be1", &[], &[], &[8081]).expect("be1 server"),
+        probe::serve_with_peer(&topo, "far", "far", &[], &[], &[8081]).expect("far server"),
+    ];
+    let service = |name: &str, vip: &str, node_port: u16, policy: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: demo}}\nspec:\n  type: NodePort\n  \
+             externalTrafficPolicy: {policy}\n  clusterIP: {vip}\n  ports:\n  - {{name: http, port: 80, targetPort: 8081, \
+             protocol: TCP, nodePort: {node_port}}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  \
+             name: {name}-abc\n  namespace: demo\n  labels: {{kubernetes.io/service-name: {name}}}\naddressType: IPv4\n\
+             endpoints:\n- {{addresses: [10.244.1.11], conditions: {{ready: true}}, nodeName: node-1}}\n\
+             - {{addresses: [{far}], conditions: {{ready: true}}, nodeName: node-2}}\nports:\n- {{name: http, port: 8081, protocol: TCP}}\n"
+        )
+    };
+    let dir = AgentDir::new(&topo.id).expect("agent dir");
+    dir.write_manifest(&format!(
+        "{}---\n{}",
+        service("local", "10.96.0.60", 30100, "Local"),
+        service("cluster", "10.96.0.61", 30101, "Cluster")
+    ))
+    .expect("manifest");
+    let interfaces = format!("--interfaces={},n2", client.node_interface);
+    let agent = Agent::start_file_in_node(&topo, &dir, &[&interfaces]).expect("agent");
+    wait_for_frontend(&agent, &client.node_ip, 30100);
+    wait_for_frontend(&agent, &client.node_ip, 30101);
+
+    // Local: only the endpoint on this node, and it sees the client's own address.
+    let local = probe_from(&client, "tcp", 30100, 30);
+    assert_eq!(local.ok, 30, "{local:?}");
+    assert_eq!(local.answered_by(&format!("be1 from {}", client.ip)), 30, "only be1, seeing the client's address: {local:?}");
+
+    // Cluster: both endpoints; the one on the other node sees this node's address (SNAT), the
+    // local one the client's.
+    let cluster = probe_from(&client, "tcp", 30101, 60);
+    assert_eq!(cluster.ok, 60, "{cluster:?}");
+    let far_answers = cluster.answered_by(&format!("far from {}", client.node_ip));
+    let local_answers = cluster.answered_by(&format!("be1 from {}", client.ip));
+    assert!(far_answers > 0 && local_answers > 0 && far_answers + local_answers == 60, "{cluster:?}");
+}

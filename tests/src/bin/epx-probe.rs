@@ -28,6 +28,9 @@ enum Cmd {
         tcp: Vec<u16>,
         #[arg(long)]
         udp: Vec<u16>,
+        /// TCP ports that answer `NAME from CLIENT_IP` (the source address this server saw).
+        #[arg(long)]
+        tcp_peer: Vec<u16>,
     },
     /// Make COUNT TCP connections to ADDR, one after another; read the server's name from each.
     Tcp(ClientArgs),
@@ -127,8 +130,9 @@ fn error_name(error: &std::io::Error) -> String {
     }
 }
 
-fn serve(name: String, tcp: Vec<u16>, udp: Vec<u16>) -> ! {
-    for port in tcp {
+fn serve(name: String, tcp: Vec<u16>, udp: Vec<u16>, tcp_peer: Vec<u16>) -> ! {
+    let ports = tcp.into_iter().map(|p| (p, false)).chain(tcp_peer.into_iter().map(|p| (p, true)));
+    for (port, tell_peer) in ports {
         let listener = TcpListener::bind(("0.0.0.0", port)).expect("bind tcp");
         let name = name.clone();
         std::thread::spawn(move || {
@@ -136,7 +140,11 @@ fn serve(name: String, tcp: Vec<u16>, udp: Vec<u16>) -> ! {
                 let name = name.clone();
                 std::thread::spawn(move || {
                     let mut stream = stream;
-                    let _ = stream.write_all(format!("{name}\n").as_bytes());
+                    let answer = match stream.peer_addr() {
+                        Ok(peer) if tell_peer => format!("{name} from {}", peer.ip()),
+                        _ => name,
+                    };
+                    let _ = stream.write_all(format!("{answer}\n").as_bytes());
                     // Long-lived streams: echo until the client closes.
                     let mut buf = [0u8; 4096];
                     while let Ok(n) = stream.read(&mut buf) {
@@ -281,7 +289,7 @@ fn main() {
     }
     let summary = match cli.command {
         Cmd::Steady { .. } | Cmd::UdpConnected { .. } => unreachable!("handled above"),
-        Cmd::Serve { name, tcp, udp } => serve(name, tcp, udp),
+        Cmd::Serve { name, tcp, udp, tcp_peer } => serve(name, tcp, udp, tcp_peer),
         Cmd::Tcp(a) => run_requests(a.count, || tcp_once(a.to, Duration::from_millis(a.timeout_ms))),
         Cmd::Udp(a) => run_requests(a.count, || udp_once(a.to, Duration::from_millis(a.timeout_ms))),
     };
