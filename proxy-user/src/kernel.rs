@@ -447,6 +447,11 @@ fn open_pinned_map(bpffs: &Path, name: &'static str) -> Result<Map, DatapathErro
     Map::from_map_data(data).map_err(|source| DatapathError::MapLayout { name, source })
 }
 
+/// A pinned hash or LRU map, typed (key and value sizes checked).
+fn open_pinned_hash<K: aya::Pod, V: aya::Pod>(bpffs: &Path, name: &'static str) -> Result<HashMap<MapData, K, V>, DatapathError> {
+    HashMap::try_from(open_pinned_map(bpffs, name)?).map_err(|source| DatapathError::MapLayout { name, source })
+}
+
 fn dump_map<K: aya::Pod, V: aya::Pod>(
     map: &HashMap<MapData, K, V>,
     name: &'static str,
@@ -526,27 +531,20 @@ pub fn read_counters(bpffs: &Path) -> Result<Vec<u64>, DatapathError> {
 
 /// Number of live entries in the socket reverse-translation LRU.
 pub fn count_rev_sock_entries(bpffs: &Path) -> Result<usize, DatapathError> {
-    let name = map_name::REV_SOCK4;
-    let map = open_pinned_map(bpffs, name)?;
-    let lru = HashMap::<MapData, RevSockKey4, RevSock4>::try_from(map)
-        .map_err(|source| DatapathError::MapLayout { name, source })?;
+    let lru = open_pinned_hash::<RevSockKey4, RevSock4>(bpffs, map_name::REV_SOCK4)?;
     Ok(lru.keys().filter(Result::is_ok).count())
 }
 
 /// The conntrack entries of the packet-level datapath (forward and reply), from the pinned LRU.
 pub fn conntrack_entries(bpffs: &Path) -> Result<Vec<(CtKey4, CtEntry4)>, DatapathError> {
-    let name = map_name::CT4;
-    let lru = HashMap::<MapData, CtKey4, CtEntry4>::try_from(open_pinned_map(bpffs, name)?)
-        .map_err(|source| DatapathError::MapLayout { name, source })?;
+    let lru = open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?;
     // Entries may be evicted while iterating (LRU): skip what vanished under us.
     Ok(lru.iter().filter_map(Result::ok).collect())
 }
 
 /// The session-affinity entries, from the pinned LRU.
 pub fn affinity_entries(bpffs: &Path) -> Result<Vec<(proxy_abi::AffinityKey4, proxy_abi::AffinityValue4)>, DatapathError> {
-    let name = map_name::AFFINITY4;
-    let lru = HashMap::<MapData, proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>::try_from(open_pinned_map(bpffs, name)?)
-        .map_err(|source| DatapathError::MapLayout { name, source })?;
+    let lru = open_pinned_hash::<proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>(bpffs, map_name::AFFINITY4)?;
     Ok(lru.iter().filter_map(Result::ok).collect())
 }
 
@@ -578,9 +576,8 @@ pub fn purge_stale_flows(bpffs: &Path) -> Result<PurgedFlows, DatapathError> {
         .collect();
 
     let mut purged = PurgedFlows::default();
-    let name = map_name::AFFINITY4;
-    let mut affinity = HashMap::<MapData, proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>::try_from(open_pinned_map(bpffs, name)?)
-        .map_err(|source| DatapathError::MapLayout { name, source })?;
+    let mut affinity =
+        open_pinned_hash::<proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>(bpffs, map_name::AFFINITY4)?;
     let stale: Vec<_> = affinity
         .iter()
         .filter_map(Result::ok)
@@ -594,9 +591,7 @@ pub fn purge_stale_flows(bpffs: &Path) -> Result<PurgedFlows, DatapathError> {
         }
     }
 
-    let name = map_name::CT4;
-    let mut ct = HashMap::<MapData, CtKey4, CtEntry4>::try_from(open_pinned_map(bpffs, name)?)
-        .map_err(|source| DatapathError::MapLayout { name, source })?;
+    let mut ct = open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?;
     let stale: Vec<_> = ct
         .iter()
         .filter_map(Result::ok)

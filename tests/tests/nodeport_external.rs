@@ -332,7 +332,7 @@ fn session_affinity_keeps_an_external_client_on_one_backend() {
 fn the_same_node_port_number_serves_tcp_and_udp_at_once_from_outside() {
     // As kube-apiserver allows it: one Service port number (53) on both protocols shares one
     // nodePort.
-    let dns = format!(
+    let service = format!(
         r#"apiVersion: v1
 kind: Service
 metadata: {{name: dns, namespace: demo}}
@@ -340,25 +340,12 @@ spec:
   type: NodePort
   clusterIP: {}
   ports:
-  - {{name: dns-tcp, port: 53, targetPort: 8080, protocol: TCP, nodePort: {TCP_NODE_PORT}}}
+  - {{name: http, port: 53, targetPort: 8080, protocol: TCP, nodePort: {TCP_NODE_PORT}}}
   - {{name: dns, port: 53, targetPort: 5353, protocol: UDP, nodePort: {TCP_NODE_PORT}}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: dns-abc
-  namespace: demo
-  labels: {{kubernetes.io/service-name: dns}}
-addressType: IPv4
-endpoints:
-- {{addresses: [10.244.1.11], conditions: {{ready: true}}, nodeName: node-1}}
-- {{addresses: [10.244.1.12], conditions: {{ready: true}}, nodeName: node-1}}
-ports:
-- {{name: dns-tcp, port: 8080, protocol: TCP}}
-- {{name: dns, port: 5353, protocol: UDP}}
 "#,
         scenario::VIP
     );
+    let dns = format!("{service}---\n{}", slice("dns", &["10.244.1.11", "10.244.1.12"]));
     let Env { agent, _dir, client, _servers, topo: _topo } = start(&dns, &[]);
     wait_for_frontend(&agent, &client.node_ip, TCP_NODE_PORT);
     let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 30);
