@@ -2,11 +2,12 @@
 //! by name so it outlives the agent, and the agent may resize each one at load time.
 
 use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
     macros::map,
     maps::{HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_abi::{
-    capacity, stat, AffinityKey4, AffinityValue4, Backend4, BackendId, CtEntry4, CtKey4, IfAddr4, RevNat4, RevNatId, RevSock4,
+    capacity, stat, AffinityKey4, AffinityValue4, Backend4, BackendId, CtEntry4, CtKey4, IfAddr4, MaglevTable4, RevNat4, RevNatId, RevSock4,
     RevSockKey4, ServiceKey4, ServiceValue4,
 };
 
@@ -41,6 +42,11 @@ pub static CT4: LruHashMap<CtKey4, CtEntry4> = LruHashMap::pinned(capacity::CT4,
 /// ifindex -> that interface's IPv4 address, written by the agent when it attaches.
 #[map(name = "epx_ifaddr4_v1")]
 pub static IFADDR4: HashMap<u32, IfAddr4> = HashMap::pinned(capacity::IFADDR4, 0);
+
+/// rev_nat_id (as u32) -> the Maglev table of that external frontend. Not preallocated: only
+/// frontends of an agent running `--lb-algorithm maglev` have one.
+#[map(name = "epx_maglev4_v1")]
+pub static MAGLEV4: HashMap<u32, MaglevTable4> = HashMap::pinned(capacity::MAGLEV4, BPF_F_NO_PREALLOC);
 
 #[inline(always)]
 pub fn count(index: u32) {

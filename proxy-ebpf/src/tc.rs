@@ -15,6 +15,9 @@
 //!
 //! ICMP errors about translated flows are translated too (outer and quoted headers).
 //!
+//! A new flow's backend comes from, in order: session affinity, the frontend's Maglev table
+//! (`--lb-algorithm maglev`), a random slot.
+//!
 //! Not built yet: IPv6.
 
 use aya_ebpf::{
@@ -24,12 +27,13 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_abi::{
-    backend_flags, ct, stat, svc_flags, CtEntry4, CtKey4, ServiceKey4, IPPROTO_TCP, SCOPE_EXTERNAL,
+    backend_flags, ct, maglev, stat, svc_flags, Backend4, CtEntry4, CtKey4, ServiceKey4, ServiceValue4, IPPROTO_TCP,
+    SCOPE_EXTERNAL,
 };
 
 use crate::ct::{forward_key, is_expired, now_ns, record, reply_key, reply_key_of, tcp_seen_after};
 use crate::affinity;
-use crate::maps::{count, BACKENDS4, CT4, IFADDR4, SERVICES4};
+use crate::maps::{count, BACKENDS4, CT4, IFADDR4, MAGLEV4, SERVICES4};
 use crate::packet::{
     parse, rewrite_addr, rewrite_inner_addr, rewrite_inner_port, rewrite_outer_daddr, rewrite_port, Flow,
     IcmpError, Parsed, RewriteFailed, IP_DADDR_OFF, IP_SADDR_OFF, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
@@ -108,19 +112,22 @@ fn ingress(ctx: &TcContext) -> i32 {
         let affinity_key = affinity::key(&frontend, u64::from(flow.saddr_be), proxy_abi::affinity::CLIENT_IP4);
         let (backend_id, backend) = match affinity_key.as_ref().and_then(|k| affinity::remembered(k, &frontend)) {
             Some(chosen) => chosen,
-            None => {
-                key.backend_slot = (unsafe { bpf_get_prandom_u32() } % u32::from(frontend.count)) as u16 + 1;
-                let Some(slot) = SERVICES4.get_ptr(&key) else {
-                    count(stat::TC_LOOKUP_MISS);
-                    return DROP;
-                };
-                let backend_id = unsafe { (*slot).backend_id };
-                let Some(backend) = BACKENDS4.get_ptr(&backend_id) else {
-                    count(stat::TC_LOOKUP_MISS);
-                    return DROP;
-                };
-                (backend_id, unsafe { *backend })
-            }
+            None => match maglev_pick(&flow, &frontend) {
+                Some(chosen) => chosen,
+                None => {
+                    key.backend_slot = (unsafe { bpf_get_prandom_u32() } % u32::from(frontend.count)) as u16 + 1;
+                    let Some(slot) = SERVICES4.get_ptr(&key) else {
+                        count(stat::TC_LOOKUP_MISS);
+                        return DROP;
+                    };
+                    let backend_id = unsafe { (*slot).backend_id };
+                    let Some(backend) = BACKENDS4.get_ptr(&backend_id) else {
+                        count(stat::TC_LOOKUP_MISS);
+                        return DROP;
+                    };
+                    (backend_id, unsafe { *backend })
+                }
+            },
         };
         if let Some(key) = &affinity_key {
             affinity::remember(key, backend_id);
@@ -180,6 +187,29 @@ fn ingress(ctx: &TcContext) -> i32 {
     }
     count(stat::TC_SNAT);
     forward_routed(ctx, flow.proto, snat_addr_be, target.addr_be)
+}
+
+/// The backend of a new flow from the frontend's Maglev table (`--lb-algorithm maglev`): the
+/// same flow hash gives the same backend on every node that has the same backend set. None when
+/// the frontend does not use Maglev, or (counted) when its table is missing mid-update.
+#[inline(always)]
+fn maglev_pick(flow: &Flow, frontend: &ServiceValue4) -> Option<(u32, Backend4)> {
+    if frontend.flags & svc_flags::MAGLEV == 0 {
+        return None;
+    }
+    let hash = maglev::flow_hash(flow.saddr_be, flow.sport_be, flow.dport_be, flow.proto);
+    let chosen = MAGLEV4.get_ptr(&u32::from(frontend.rev_nat_id)).and_then(|table| {
+        // The compiler turns `% TABLE_SIZE` into a multiply-and-shift whose bound the verifier
+        // cannot follow, and then drops the bound check as redundant: hiding the slot from the
+        // optimiser keeps the check, which the verifier does follow.
+        let slot = maglev::slot(hash);
+        let slot = unsafe { core::ptr::read_volatile(&slot) };
+        let backend_id = *unsafe { &(*table).backend_ids }.get(slot)?;
+        let backend = BACKENDS4.get_ptr(&backend_id)?;
+        Some((backend_id, unsafe { *backend }))
+    });
+    count(if chosen.is_some() { stat::TC_MAGLEV_PICK } else { stat::TC_MAGLEV_MISS });
+    chosen
 }
 
 /// Sends a packet whose source is a node address on its way (the kernel would refuse it).

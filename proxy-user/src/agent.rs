@@ -71,7 +71,8 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         kernel::load(&args.bpffs, &cgroup, &caps, object.as_deref()).context("setting up the datapath")?;
     kernel::tc::attach(&mut datapath, &args.bpffs, &interfaces, args.tc_attach)
         .with_context(|| format!("attaching the packet-level programs to {interfaces:?}"))?;
-    let mut reconciler = Reconciler::adopt(datapath.maps).context("reading the pinned maps")?;
+    let mut reconciler =
+        Reconciler::adopt(datapath.maps).context("reading the pinned maps")?.with_algorithm(args.lb_algorithm);
     tracing::info!(
         bpffs = %args.bpffs.display(),
         cgroup = %cgroup.display(),

@@ -2,6 +2,7 @@
 //! agent is stopped).
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::Path;
 
 use anyhow::Context;
@@ -38,6 +39,9 @@ pub struct DumpedService {
     pub affinity_timeout_seconds: Option<u32>,
     pub rev_nat_id: u16,
     pub backends: Vec<DumpedBackend>,
+    /// `--lb-algorithm maglev`: slots of the frontend's table per backend (`ip:port`), or
+    /// `{"(table missing)": 0}` if slot 0 is marked but the table is not there.
+    pub maglev_slots: Option<BTreeMap<String, u32>>,
 }
 
 /// The frontend kind a slot-0 flag set encodes.
@@ -166,11 +170,26 @@ fn affinity_entries(
     dumped
 }
 
+/// How many slots of a Maglev table each backend has.
+fn maglev_shares(table: Option<&Vec<u32>>, backends: &BTreeMap<u32, proxy_abi::Backend4>) -> BTreeMap<String, u32> {
+    let Some(table) = table else { return BTreeMap::from([("(table missing)".to_owned(), 0)]) };
+    let mut shares = BTreeMap::new();
+    for id in table {
+        let name = backends
+            .get(id)
+            .and_then(decode_backend)
+            .map_or_else(|| format!("(backend {id} gone)"), |b| SocketAddr::new(b.addr, b.port).to_string());
+        *shares.entry(name).or_default() += 1;
+    }
+    shares
+}
+
 pub fn collect(bpffs: &Path) -> anyhow::Result<Dump> {
     let maps = KernelMaps::open_pinned(bpffs)
         .with_context(|| format!("no datapath pinned under {} (is the agent installed there?)", bpffs.display()))?;
     let entries: BTreeMap<_, _> = maps.services()?.into_iter().collect();
     let backends: BTreeMap<_, _> = maps.backends()?.into_iter().collect();
+    let tables: BTreeMap<_, _> = maps.maglev_tables()?.into_iter().collect();
     let mut services = Vec::new();
     for (key, value) in entries.iter().filter(|(k, _)| k.backend_slot == 0) {
         let Some(frontend) = decode_frontend(key) else { continue };
@@ -195,6 +214,7 @@ pub fn collect(bpffs: &Path) -> anyhow::Result<Dump> {
             affinity_timeout_seconds: (value.flags & svc_flags::AFFINITY != 0).then_some(value.backend_id),
             rev_nat_id: value.rev_nat_id,
             backends: dumped,
+            maglev_slots: (value.flags & svc_flags::MAGLEV != 0).then(|| maglev_shares(tables.get(&value.rev_nat_id), &backends)),
         });
     }
     let counters = kernel::read_counters(bpffs)?
@@ -220,6 +240,9 @@ pub fn print_text(dump: &Dump) {
         if let Some(timeout) = service.affinity_timeout_seconds {
             flags.push(format!("affinity={timeout}s"));
         }
+        if service.maglev_slots.is_some() {
+            flags.push("maglev".to_owned());
+        }
         let flags = if flags.is_empty() { "-".to_owned() } else { flags.join(",") };
         let backends = if service.backends.is_empty() {
             if service.local_only {
@@ -235,6 +258,10 @@ pub fn print_text(dump: &Dump) {
             "{frontend:<28} {:<8} {:<12} {flags:<24} {:>7}  {backends}",
             service.scope, service.kind, service.rev_nat_id
         );
+    }
+    for service in dump.services.iter().filter(|s| s.maglev_slots.is_some()) {
+        let shares = service.maglev_slots.iter().flatten().map(|(b, n)| format!("{b}={n}")).collect::<Vec<_>>();
+        println!("  maglev {}:{}/{}: {}", service.ip, service.port, service.protocol, shares.join(" "));
     }
     println!();
     println!("counters:");

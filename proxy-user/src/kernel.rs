@@ -16,7 +16,7 @@ use aya::maps::{HashMap, Map, MapData, MapType};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
 use proxy_abi::{
-    capacity, map_name, Backend4, BackendId, CtEntry4, CtKey4, RevNat4, RevNatId, RevSock4, RevSockKey4,
+    capacity, map_name, Backend4, BackendId, CtEntry4, CtKey4, MaglevTable4, RevNat4, RevNatId, RevSock4, RevSockKey4,
     ServiceKey4, ServiceValue4,
 };
 
@@ -131,7 +131,7 @@ struct MapLayout {
     max_entries: u32,
 }
 
-fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 8] {
+fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 9] {
     use std::mem::size_of;
     let size = |n: usize| n as u32;
     [
@@ -190,6 +190,13 @@ fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 8] {
             key_size: 4,
             value_size: size(size_of::<proxy_abi::IfAddr4>()),
             max_entries: capacity::IFADDR4,
+        },
+        MapLayout {
+            name: map_name::MAGLEV4,
+            map_type: MapType::Hash,
+            key_size: 4,
+            value_size: size(size_of::<MaglevTable4>()),
+            max_entries: capacity::MAGLEV4,
         },
     ]
 }
@@ -414,6 +421,7 @@ pub struct KernelMaps {
     services: HashMap<MapData, ServiceKey4, ServiceValue4>,
     backends: HashMap<MapData, BackendId, Backend4>,
     rev_nats: HashMap<MapData, RevNatId, RevNat4>,
+    maglev: HashMap<MapData, u32, MaglevTable4>,
 }
 
 fn typed<K: aya::Pod, V: aya::Pod>(map: Map, name: &'static str) -> Result<HashMap<MapData, K, V>, DatapathError> {
@@ -427,6 +435,7 @@ impl KernelMaps {
             services: typed(take(map_name::SERVICES4)?, map_name::SERVICES4)?,
             backends: typed(take(map_name::BACKENDS4)?, map_name::BACKENDS4)?,
             rev_nats: typed(take(map_name::REV_NAT4)?, map_name::REV_NAT4)?,
+            maglev: typed(take(map_name::MAGLEV4)?, map_name::MAGLEV4)?,
         })
     }
 
@@ -437,6 +446,7 @@ impl KernelMaps {
             services: typed(open(map_name::SERVICES4)?, map_name::SERVICES4)?,
             backends: typed(open(map_name::BACKENDS4)?, map_name::BACKENDS4)?,
             rev_nats: typed(open(map_name::REV_NAT4)?, map_name::REV_NAT4)?,
+            maglev: typed(open(map_name::MAGLEV4)?, map_name::MAGLEV4)?,
         })
     }
 }
@@ -510,6 +520,25 @@ impl LbMaps for KernelMaps {
     }
     fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), MapError> {
         write_result(map_name::REV_NAT4, "delete", self.rev_nats.remove(&id))
+    }
+    fn maglev_tables(&self) -> Result<Vec<(RevNatId, Vec<BackendId>)>, MapError> {
+        let tables = dump_map(&self.maglev, map_name::MAGLEV4)?;
+        // A key above u16 was not written by any agent: skipped (and never marked in a slot 0).
+        Ok(tables
+            .into_iter()
+            .filter_map(|(id, table)| Some((RevNatId::try_from(id).ok()?, table.backend_ids.to_vec())))
+            .collect())
+    }
+    fn put_maglev(&mut self, id: RevNatId, table: &[BackendId]) -> Result<(), MapError> {
+        let backend_ids = table.try_into().map_err(|_| MapError::Syscall {
+            map: map_name::MAGLEV4,
+            op: "update",
+            source: io::Error::other(format!("a table needs {} slots, not {}", proxy_abi::maglev::TABLE_SIZE, table.len())),
+        })?;
+        write_result(map_name::MAGLEV4, "update", self.maglev.insert(u32::from(id), MaglevTable4 { backend_ids }, 0))
+    }
+    fn delete_maglev(&mut self, id: RevNatId) -> Result<(), MapError> {
+        write_result(map_name::MAGLEV4, "delete", self.maglev.remove(&u32::from(id)))
     }
 }
 

@@ -47,6 +47,11 @@ pub trait LbMaps {
     fn delete_backend(&mut self, id: BackendId) -> Result<(), MapError>;
     fn put_rev_nat(&mut self, id: RevNatId, value: &RevNat4) -> Result<(), MapError>;
     fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), MapError>;
+    /// Maglev tables by the reverse-NAT id of their external frontend (slot -> backend id).
+    fn maglev_tables(&self) -> Result<Vec<(RevNatId, Vec<BackendId>)>, MapError>;
+    /// `table` has exactly `proxy_abi::maglev::TABLE_SIZE` slots.
+    fn put_maglev(&mut self, id: RevNatId, table: &[BackendId]) -> Result<(), MapError>;
+    fn delete_maglev(&mut self, id: RevNatId) -> Result<(), MapError>;
 }
 
 #[cfg(test)]
@@ -57,6 +62,7 @@ pub struct FakeMaps {
     pub services: BTreeMap<ServiceKey4, ServiceValue4>,
     pub backends: BTreeMap<BackendId, Backend4>,
     pub rev_nats: BTreeMap<RevNatId, RevNat4>,
+    pub maglev: BTreeMap<RevNatId, Vec<BackendId>>,
     pub capacity: usize,
     /// Number of further writes that succeed before every write fails (None: never fail).
     pub writes_until_failure: Option<usize>,
@@ -80,6 +86,7 @@ impl FakeMaps {
             services: BTreeMap::new(),
             backends: BTreeMap::new(),
             rev_nats: BTreeMap::new(),
+            maglev: BTreeMap::new(),
             capacity,
             writes_until_failure: None,
             writes: 0,
@@ -109,7 +116,8 @@ impl FakeMaps {
     }
 
     /// What the kernel programs rely on: every frontend's slots 1..=count exist, name existing
-    /// backends, and its reverse-NAT entry exists.
+    /// backends, and its reverse-NAT entry exists; a frontend marked for Maglev has a full table
+    /// that names existing backends.
     pub fn check_consistent(&self) -> Result<(), String> {
         for (key, value) in self.services.iter().filter(|(k, _)| k.backend_slot == 0) {
             for slot in 1..=value.count {
@@ -123,6 +131,17 @@ impl FakeMaps {
             }
             if !self.rev_nats.contains_key(&value.rev_nat_id) {
                 return Err(format!("{key:?}: rev-NAT {} missing", value.rev_nat_id));
+            }
+            if value.flags & proxy_abi::svc_flags::MAGLEV != 0 {
+                let Some(table) = self.maglev.get(&value.rev_nat_id) else {
+                    return Err(format!("{key:?}: Maglev table {} missing", value.rev_nat_id));
+                };
+                if table.len() != proxy_abi::maglev::TABLE_SIZE as usize {
+                    return Err(format!("{key:?}: Maglev table has {} slots", table.len()));
+                }
+                if let Some(id) = table.iter().find(|id| !self.backends.contains_key(id)) {
+                    return Err(format!("{key:?}: Maglev table names missing backend {id}"));
+                }
             }
         }
         Ok(())
@@ -187,6 +206,21 @@ impl LbMaps for FakeMaps {
     fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), MapError> {
         self.before_write()?;
         self.rev_nats.remove(&id);
+        self.after_write();
+        Ok(())
+    }
+    fn maglev_tables(&self) -> Result<Vec<(RevNatId, Vec<BackendId>)>, MapError> {
+        Ok(self.maglev.iter().map(|(k, v)| (*k, v.clone())).collect())
+    }
+    fn put_maglev(&mut self, id: RevNatId, table: &[BackendId]) -> Result<(), MapError> {
+        self.before_write()?;
+        Self::put(&mut self.maglev, map_name::MAGLEV4, self.capacity, id, table.to_vec())?;
+        self.after_write();
+        Ok(())
+    }
+    fn delete_maglev(&mut self, id: RevNatId) -> Result<(), MapError> {
+        self.before_write()?;
+        self.maglev.remove(&id);
         self.after_write();
         Ok(())
     }

@@ -6,14 +6,13 @@
 //! another node (ECMP, a moved VIP) keeps its backend; and when one backend of N changes, only
 //! about 1/N of the slots move.
 //!
-//! Not yet programmed into the kernel: `--lb-algorithm maglev` and the table map come with the
-//! packet datapath's next slice; until then the module is exercised by its tests only.
-#![cfg_attr(not(test), allow(dead_code))]
+//! The reconciler programs one table per external frontend with `--lb-algorithm maglev`
+//! (`proxy_abi::maglev::TABLE_SIZE` slots); the TC ingress program indexes it with
+//! `proxy_abi::maglev::flow_hash`.
 
-/// Table sizes offered by `--maglev-table-size`: primes, as the algorithm needs, each well above
-/// 100 × the backends of a typical Service (the paper's rule for near-minimal disruption).
+/// Table sizes the builder accepts: primes, as the algorithm needs. The kernel's is
+/// `proxy_abi::maglev::TABLE_SIZE` (4093).
 pub const TABLE_SIZES: [u32; 7] = [251, 509, 1021, 2039, 4093, 8191, 16381];
-pub const DEFAULT_TABLE_SIZE: u32 = 1021;
 
 /// FNV-1a, 64 bit: stable across builds and machines (std's hashers are not).
 fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -91,7 +90,7 @@ mod tests {
 
     #[test]
     fn every_backend_gets_an_even_share() {
-        for (n, size) in [(1, 251), (2, DEFAULT_TABLE_SIZE), (3, 1021), (10, 1021), (100, 16381)] {
+        for (n, size) in [(1, 251), (2, proxy_abi::maglev::TABLE_SIZE), (3, 1021), (10, 1021), (100, 16381)] {
             let table = table(&names(n), size);
             assert_eq!(table.len(), size as usize);
             let counts = counts(&table, n);

@@ -84,6 +84,12 @@ pub struct AgentArgs {
     /// link-local excepted), as kube-proxy's iptables mode.
     #[arg(long, default_value = "", value_parser = desired::NodePortAddresses::parse)]
     pub nodeport_addresses: desired::NodePortAddresses,
+    /// How the packet path picks the backend of a new flow from outside the node: `random` (as
+    /// kube-proxy), or `maglev` (consistent hashing of the client's address and port: every node
+    /// sends the same flow to the same backend; one backend change of N moves about 1/N of the
+    /// flows). Connections from local sockets always pick at random.
+    #[arg(long, value_enum, default_value_t = reconcile::LbAlgorithm::Random)]
+    pub lb_algorithm: reconcile::LbAlgorithm,
     /// Directory for the agent's own state (checkpoint, lock).
     #[arg(long, default_value = "/var/lib/ebpf-proxy")]
     pub state_dir: PathBuf,

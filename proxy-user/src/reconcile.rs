@@ -8,6 +8,10 @@
 //! Every value is compared whole, so a change of flags alone (traffic policy, affinity, a
 //! backend moving to this node) is one in-place update of the entry concerned.
 //!
+//! With `--lb-algorithm maglev`, every external frontend with backends also gets a Maglev table
+//! (built in `maglev`, keyed by its reverse-NAT id), written before the slots it replaces and
+//! marked in slot 0; tables nobody marks any more are deleted with the garbage.
+//!
 //! Only IPv4 has maps so far: IPv6 frontends of the desired state are skipped here, without
 //! error, until the IPv6 maps exist.
 
@@ -18,6 +22,19 @@ use proxy_abi::{backend_flags, svc_flags, Backend4, BackendId, RevNat4, RevNatId
 
 use crate::desired::{BackendAddr, DesiredState, Frontend, FrontendKind, FrontendSpec, Proto, Scope};
 use crate::lbmap::{LbMaps, MapError};
+use crate::maglev;
+
+/// How the packet path picks a new flow's backend (`--lb-algorithm`). The socket hooks always
+/// pick at random: a local socket's flow never reaches another node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LbAlgorithm {
+    /// A random slot per new flow (kube-proxy's behaviour).
+    #[default]
+    Random,
+    /// Maglev consistent hashing of the client's address and port: every node with the same
+    /// backend set sends a flow to the same backend, and a backend change moves few flows.
+    Maglev,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -69,6 +86,12 @@ pub struct Reconciler<M> {
     strays: Vec<ServiceKey4>,
     next_backend_id: BackendId,
     next_rev_nat_id: RevNatId,
+    algorithm: LbAlgorithm,
+    /// Maglev map contents: reverse-NAT id of an external frontend -> its table.
+    maglev_tables: BTreeMap<RevNatId, Vec<BackendId>>,
+    /// Tables as indices into a backend list, by that list: frontends of one Service (a
+    /// NodePort on every node address, LB IPs) share one backend set, so one computation.
+    maglev_memo: BTreeMap<Vec<BackendAddr>, Vec<u32>>,
 }
 
 /// The address in network byte order, for IPv4 only.
@@ -100,7 +123,7 @@ pub fn decode_frontend(key: &ServiceKey4) -> Option<Frontend> {
 }
 
 /// Slot 0 of a frontend: backend count, reverse-NAT id, flags, and the affinity timeout.
-pub fn slot0_value(spec: &FrontendSpec, count: u16, rev_nat_id: RevNatId) -> ServiceValue4 {
+pub fn slot0_value(spec: &FrontendSpec, count: u16, rev_nat_id: RevNatId, maglev: bool) -> ServiceValue4 {
     let mut flags = match spec.kind {
         FrontendKind::ClusterIp => 0,
         FrontendKind::NodePort => svc_flags::NODE_PORT,
@@ -112,6 +135,9 @@ pub fn slot0_value(spec: &FrontendSpec, count: u16, rev_nat_id: RevNatId) -> Ser
     }
     if spec.affinity_timeout.is_some() {
         flags |= svc_flags::AFFINITY;
+    }
+    if maglev {
+        flags |= svc_flags::MAGLEV;
     }
     ServiceValue4 {
         backend_id: spec.affinity_timeout.unwrap_or(0),
@@ -182,6 +208,7 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
         let rev_nats: BTreeMap<_, _> = maps.rev_nats()?.into_iter().collect();
+        let maglev_tables: BTreeMap<_, _> = maps.maglev_tables()?.into_iter().collect();
         let next_backend_id = backends_by_id.keys().next_back().map_or(1, |id| id.wrapping_add(1).max(1));
         let max_rev_nat = frontends.values().map(|f| f.rev_nat_id).chain(rev_nats.keys().copied()).max();
         let next_rev_nat_id = max_rev_nat.map_or(1, |id| id.wrapping_add(1).max(1));
@@ -194,7 +221,16 @@ impl<M: LbMaps> Reconciler<M> {
             strays,
             next_backend_id,
             next_rev_nat_id,
+            algorithm: LbAlgorithm::default(),
+            maglev_tables,
+            maglev_memo: BTreeMap::new(),
         })
+    }
+
+    /// Sets how the packet path picks backends; applied by the next `reconcile`.
+    pub fn with_algorithm(mut self, algorithm: LbAlgorithm) -> Self {
+        self.algorithm = algorithm;
+        self
     }
 
     #[cfg(test)]
@@ -256,7 +292,20 @@ impl<M: LbMaps> Reconciler<M> {
         }
 
         self.collect_garbage(&mut report);
+        // Forget tables of backend sets no frontend has any more.
+        let sets: BTreeSet<Vec<BackendAddr>> =
+            desired.frontends.values().map(|spec| spec.backends.iter().map(|b| b.addr).collect()).collect();
+        self.maglev_memo.retain(|set, _| sets.contains(set));
         report
+    }
+
+    /// The Maglev table of an external frontend, as backend ids (`ids[i]` is `backends[i]`'s).
+    fn maglev_table(&mut self, backends: &[BackendAddr], ids: &[BackendId]) -> Vec<BackendId> {
+        let indices = self.maglev_memo.entry(backends.to_vec()).or_insert_with(|| {
+            let names: Vec<String> = backends.iter().map(ToString::to_string).collect();
+            maglev::table(&names, proxy_abi::maglev::TABLE_SIZE)
+        });
+        indices.iter().map(|i| ids[*i as usize]).collect()
     }
 
     fn upsert_frontend(
@@ -286,6 +335,19 @@ impl<M: LbMaps> Reconciler<M> {
             Some(id) => id,
             None => self.allocate_rev_nat_id()?,
         };
+        // The table goes in before the slots and slot 0 that switch to it: new flows from outside
+        // see either the old backend set or the new one, never a mix with missing entries.
+        let use_maglev = self.algorithm == LbAlgorithm::Maglev && frontend.scope == Scope::External && count > 0;
+        if use_maglev {
+            let addrs: Vec<BackendAddr> = backends.iter().map(|b| b.addr).collect();
+            let table = self.maglev_table(&addrs, &ids);
+            if self.maglev_tables.get(&rev_nat_id) != Some(&table) {
+                self.maps.put_maglev(rev_nat_id, &table)?;
+                self.maglev_tables.insert(rev_nat_id, table);
+                *writes += 1;
+            }
+        }
+
         let applied = self.frontends.entry(*frontend).or_default();
         applied.rev_nat_id = rev_nat_id;
 
@@ -304,7 +366,7 @@ impl<M: LbMaps> Reconciler<M> {
             *writes += 1;
         }
 
-        let slot0 = slot0_value(spec, count, rev_nat_id);
+        let slot0 = slot0_value(spec, count, rev_nat_id, use_maglev);
         if applied.slot0 != Some(slot0) {
             self.maps.put_service(&key0, &slot0)?;
             applied.slot0 = Some(slot0);
@@ -359,6 +421,24 @@ impl<M: LbMaps> Reconciler<M> {
                     }
                 }
                 Err(error) => report.failures.push(Failure { what: format!("unused backend {id}"), error: error.into() }),
+            }
+        }
+
+        // After every slot 0 is written: a table is in use only while a slot 0 says so.
+        let marked: BTreeSet<RevNatId> = self
+            .frontends
+            .values()
+            .filter(|f| f.slot0.is_some_and(|v| v.flags & svc_flags::MAGLEV != 0))
+            .map(|f| f.rev_nat_id)
+            .collect();
+        let unmarked: Vec<RevNatId> = self.maglev_tables.keys().filter(|id| !marked.contains(id)).copied().collect();
+        for id in unmarked {
+            match self.maps.delete_maglev(id) {
+                Ok(()) => {
+                    report.writes += 1;
+                    self.maglev_tables.remove(&id);
+                }
+                Err(error) => report.failures.push(Failure { what: format!("unused Maglev table {id}"), error: error.into() }),
             }
         }
 

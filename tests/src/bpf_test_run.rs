@@ -14,7 +14,7 @@ use aya::maps::{HashMap, MapData, PerCpuArray};
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 use proxy_abi::{
-    map_name, stat, Backend4, BackendId, CtEntry4, CtKey4, IfAddr4, ServiceKey4, ServiceValue4,
+    map_name, stat, Backend4, BackendId, CtEntry4, CtKey4, IfAddr4, MaglevTable4, ServiceKey4, ServiceValue4,
     SCOPE_EXTERNAL,
 };
 
@@ -123,6 +123,18 @@ impl TcPrograms {
     pub fn put_interface_address(&mut self, ifindex: u32, addr: Ipv4Addr) -> anyhow::Result<()> {
         let value = IfAddr4 { addr_be: u32::from(addr).to_be() };
         self.hash::<u32, IfAddr4>(map_name::IFADDR4)?.insert(ifindex, value, 0)?;
+        Ok(())
+    }
+
+    /// Writes the Maglev table of the frontend with `rev_nat_id` (slot -> backend id).
+    pub fn put_maglev(&mut self, rev_nat_id: u16, table: &[BackendId]) -> anyhow::Result<()> {
+        let value = MaglevTable4 { backend_ids: table.try_into().context("a table has maglev::TABLE_SIZE slots")? };
+        self.hash::<u32, MaglevTable4>(map_name::MAGLEV4)?.insert(u32::from(rev_nat_id), value, 0)?;
+        Ok(())
+    }
+
+    pub fn delete_maglev(&mut self, rev_nat_id: u16) -> anyhow::Result<()> {
+        self.hash::<u32, MaglevTable4>(map_name::MAGLEV4)?.remove(&u32::from(rev_nat_id))?;
         Ok(())
     }
 

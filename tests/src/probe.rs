@@ -19,6 +19,10 @@ pub struct Summary {
     pub errors: BTreeMap<String, u32>,
     /// Name of the server that answered -> count.
     pub answers: BTreeMap<String, u32>,
+    /// Each request's outcome in order: the answering server's name, or `error:NAME`
+    /// (`tcp` and `udp` runs only).
+    #[serde(default)]
+    pub sequence: Vec<String>,
     pub elapsed_ms: u64,
 }
 
@@ -156,9 +160,21 @@ pub fn client(topology: &Topology, pod: &str, kind: &str, to: &str, count: u32) 
 
 /// As [`client`], with `command` (an `epx-probe` command placed wherever the caller needs it,
 /// e.g. [`crate::topology::ExternalClient::command`]).
-pub fn client_with(mut command: std::process::Command, kind: &str, to: &str, count: u32) -> anyhow::Result<Summary> {
+pub fn client_with(command: std::process::Command, kind: &str, to: &str, count: u32) -> anyhow::Result<Summary> {
+    client_with_args(command, kind, to, count, &[])
+}
+
+/// [`client_with`] with more `epx-probe` options (e.g. `--source-port`).
+pub fn client_with_args(
+    mut command: std::process::Command,
+    kind: &str,
+    to: &str,
+    count: u32,
+    extra: &[&str],
+) -> anyhow::Result<Summary> {
     let output = command
         .args([kind, "--to", to, "--count", &count.to_string()])
+        .args(extra)
         .stderr(Stdio::inherit())
         .output()
         .context("running epx-probe")?;

@@ -399,3 +399,72 @@ fn external_traffic_policy_local_serves_only_local_endpoints_and_keeps_the_clien
     let local_answers = cluster.answered_by(&format!("be1 from {}", client.ip));
     assert!(far_answers > 0 && local_answers > 0 && far_answers + local_answers == 60, "{cluster:?}");
 }
+
+/// The Maglev table the agent pinned for the frontend with `rev_nat_id` (slot -> backend id).
+fn pinned_maglev_table(agent: &Agent, rev_nat_id: u16) -> Vec<u32> {
+    use aya::maps::{HashMap, Map, MapData};
+    let data = MapData::from_pin(agent.bpffs.join(proxy_abi::map_name::MAGLEV4)).expect("pinned Maglev map");
+    let map: HashMap<MapData, u32, proxy_abi::MaglevTable4> =
+        HashMap::try_from(Map::from_map_data(data).expect("map")).expect("typed");
+    map.get(&u32::from(rev_nat_id), 0).expect("the frontend's table").backend_ids.to_vec()
+}
+
+#[test]
+fn with_maglev_each_external_flow_goes_to_the_backend_the_table_names_for_its_hash() {
+    let Env { agent, _dir, client, _servers, topo: _topo } = start(&manifest(), &["--lb-algorithm=maglev"]);
+    wait_for_frontend(&agent, &client.node_ip, UDP_NODE_PORT);
+    let dump = agent.dump().expect("dump");
+    let services = dump["services"].as_array().expect("services");
+    let frontend = services
+        .iter()
+        .find(|s| s["ip"] == client.node_ip.as_str() && s["port"] == UDP_NODE_PORT && s["scope"] == "external")
+        .expect("the external UDP NodePort frontend");
+    // Two backends share the 4093 slots evenly.
+    let shares = &frontend["maglevSlots"];
+    let (a, b) = (shares["10.244.1.11:5353"].as_u64(), shares["10.244.1.12:5353"].as_u64());
+    assert!(matches!((a, b), (Some(a), Some(b)) if a + b == 4093 && a.abs_diff(b) <= 1), "{frontend:#}");
+    // Socket-level entries (the node's own clients) keep picking at random.
+    let internal = services
+        .iter()
+        .find(|s| s["ip"] == client.node_ip.as_str() && s["port"] == UDP_NODE_PORT && s["scope"] == "internal")
+        .expect("the internal entry");
+    assert!(internal["maglevSlots"].is_null(), "{internal:#}");
+
+    let rev_nat_id = frontend["revNatId"].as_u64().expect("revNatId") as u16;
+    let table = pinned_maglev_table(&agent, rev_nat_id);
+    let name_of = |id: u32| {
+        let backend = frontend["backends"].as_array().unwrap().iter().find(|b| b["id"] == id).expect("a listed backend");
+        match backend["ip"].as_str() {
+            Some("10.244.1.11") => "be1",
+            Some("10.244.1.12") => "be2",
+            other => panic!("unexpected backend {other:?}"),
+        }
+    };
+    // 40 flows, each from a known source port: every answer comes from the predicted backend.
+    let first_port = 41_000u16;
+    let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
+    let to = format!("{}:{UDP_NODE_PORT}", client.node_ip);
+    let udp = probe::client_with_args(command, "udp", &to, 40, &["--source-port", &first_port.to_string()]).expect("probe");
+    assert_eq!((udp.ok, udp.sequence.len()), (40, 40), "{udp:?}");
+    let client_ip: std::net::Ipv4Addr = client.ip.parse().expect("client IP");
+    for (i, answer) in udp.sequence.iter().enumerate() {
+        let port = first_port + i as u16;
+        let hash = proxy_abi::maglev::flow_hash(
+            u32::from_ne_bytes(client_ip.octets()),
+            port.to_be(),
+            UDP_NODE_PORT.to_be(),
+            proxy_abi::IPPROTO_UDP,
+        );
+        let expected = name_of(table[proxy_abi::maglev::slot(hash)]);
+        assert_eq!(answer, expected, "flow from source port {port}");
+    }
+    assert!(udp.answered_by("be1") > 0 && udp.answered_by("be2") > 0, "{udp:?}");
+    let dump = agent.dump().expect("dump");
+    assert!(dump["counters"]["tc_maglev_pick"].as_u64().unwrap_or(0) >= 40, "{:#}", dump["counters"]);
+    assert_eq!(dump["counters"]["tc_maglev_miss"].as_u64(), Some(0), "{:#}", dump["counters"]);
+
+    // TCP to the same Service spreads over both backends too.
+    let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 40);
+    assert_eq!(tcp.ok, 40, "{tcp:?}");
+    assert!(tcp.answered_by("be1") > 0 && tcp.answered_by("be2") > 0, "{tcp:?}");
+}

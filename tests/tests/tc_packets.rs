@@ -6,13 +6,13 @@
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
-use e2e::bpf_test_run::{TcPrograms, EGRESS, INGRESS, TC_ACT_OK, TC_ACT_REDIRECT};
+use e2e::bpf_test_run::{be_addr, TcPrograms, EGRESS, INGRESS, TC_ACT_OK, TC_ACT_REDIRECT};
 use e2e::packet::{
     arp_request, icmp_error, read_ipv4, Frame, L4, CLIENT_MAC, ETH_HLEN, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP,
     NODE_MAC, TCP_ACK, TCP_FIN, TCP_SYN,
 };
 use e2e::topology::{in_netns, Netns};
-use proxy_abi::{backend_flags, ct, svc_flags};
+use proxy_abi::{backend_flags, ct, maglev, svc_flags};
 
 const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(192, 168, 240, 2), 40000);
 const NODE_PORT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(192, 168, 240, 1), 30080);
@@ -361,6 +361,43 @@ fn an_established_flow_keeps_its_backend_when_the_backend_set_changes() {
     // So does a new connection reusing the old tuple (a bare SYN): it does not follow a removed backend.
     let syn = programs.run(INGRESS, &tcp_syn(NODE_PORT).build()).unwrap();
     assert_eq!(destination(&syn.frame), other.1);
+}
+
+#[test]
+fn a_maglev_frontend_sends_each_flow_to_the_backend_its_table_names_for_the_flow_hash() {
+    let mut programs = TcPrograms::load().unwrap();
+    let backend_c = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 12), 8080);
+    let three = [(1, BACKEND_A, LOCAL), (2, BACKEND_B, LOCAL), (3, backend_c, LOCAL)];
+    let flags = svc_flags::NODE_PORT | svc_flags::MAGLEV;
+    programs.put_frontend(NODE_PORT, IPPROTO_TCP, 7, flags, &three).unwrap();
+    // An irregular table (as Maglev's are), so a right answer cannot come from a pattern.
+    let mut state = 12345u32;
+    let table: Vec<u32> = (0..maglev::TABLE_SIZE)
+        .map(|_| {
+            state = state.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            1 + (state >> 16) % 3
+        })
+        .collect();
+    programs.put_maglev(7, &table).unwrap();
+
+    let mut seen = [0u32; 3];
+    for port in 20_000..20_060u16 {
+        let client = SocketAddrV4::new(*CLIENT.ip(), port);
+        let out = programs.run(INGRESS, &Frame::tcp(client, NODE_PORT, TCP_SYN).build()).unwrap();
+        let hash = maglev::flow_hash(be_addr(&client), port.to_be(), NODE_PORT.port().to_be(), IPPROTO_TCP);
+        let expected = table[maglev::slot(hash)];
+        assert_eq!(destination(&out.frame), three[expected as usize - 1].1, "client port {port}");
+        seen[expected as usize - 1] += 1;
+    }
+    assert!(seen.iter().all(|n| *n > 0), "60 flows should reach all three backends: {seen:?}");
+    assert_eq!(programs.counter("tc_maglev_pick").unwrap(), 60);
+
+    // The table missing (agent mid-update): a random slot still serves the flow, counted.
+    programs.delete_maglev(7).unwrap();
+    let client = SocketAddrV4::new(*CLIENT.ip(), 20_100);
+    let out = programs.run(INGRESS, &Frame::tcp(client, NODE_PORT, TCP_SYN).build()).unwrap();
+    assert!(three.iter().any(|b| b.1 == destination(&out.frame)));
+    assert_eq!(programs.counter("tc_maglev_miss").unwrap(), 1);
 }
 
 #[test]

@@ -19,9 +19,11 @@ pub mod map_name {
     pub const CT4: &str = "epx_ct4_v1";
     pub const IFADDR4: &str = "epx_ifaddr4_v1";
     pub const AFFINITY4: &str = "epx_aff4_v1";
+    pub const MAGLEV4: &str = "epx_maglev4_v1";
 
     /// Every map the agent owns, in the order `dump` prints them.
-    pub const ALL: [&str; 8] = [SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS, CT4, IFADDR4, AFFINITY4];
+    pub const ALL: [&str; 9] =
+        [SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS, CT4, IFADDR4, AFFINITY4, MAGLEV4];
 }
 
 /// Default capacities; the agent can override each one at load time.
@@ -39,6 +41,9 @@ pub mod capacity {
     pub const IFADDR4: u32 = 1_024;
     /// LRU: one entry per (client, frontend with `sessionAffinity: ClientIP`).
     pub const AFFINITY4: u32 = 65_536;
+    /// One Maglev table per external frontend (`--lb-algorithm maglev` only). Not preallocated:
+    /// a table takes its memory (`maglev::TABLE_SIZE` × 4 bytes) only once written.
+    pub const MAGLEV4: u32 = 16_384;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -62,6 +67,9 @@ pub mod svc_flags {
     /// A traffic policy (`externalTrafficPolicy`/`internalTrafficPolicy: Local`) limits this
     /// entry to node-local backends: the client's source address must be preserved (no SNAT).
     pub const LOCAL_ONLY: u8 = 1 << 4;
+    /// New flows from outside pick their backend from this frontend's Maglev table
+    /// (`epx_maglev4_v1`, keyed by `rev_nat_id`) instead of a random slot.
+    pub const MAGLEV: u8 = 1 << 5;
 }
 
 /// `Backend4::flags` bits.
@@ -208,7 +216,12 @@ pub mod stat {
     pub const AFFINITY_HIT: u32 = 22;
     /// The affinity entry could not be written (the connection still went through).
     pub const AFFINITY_RECORD_FAIL: u32 = 23;
-    pub const COUNT: u32 = 24;
+    /// TC ingress: a new flow's backend was picked from the frontend's Maglev table.
+    pub const TC_MAGLEV_PICK: u32 = 24;
+    /// TC ingress: the frontend is marked for Maglev but its table or the slot's backend was
+    /// missing (agent mid-update): a random slot was used instead.
+    pub const TC_MAGLEV_MISS: u32 = 25;
+    pub const COUNT: u32 = 26;
     /// Slots of the stats map: more than `COUNT`, so that a new counter does not change the
     /// pinned map's layout (an upgrade keeps the map and its counts).
     pub const SLOTS: u32 = 64;
@@ -239,6 +252,8 @@ pub mod stat {
         "tc_icmp_error_xlate",
         "affinity_hit",
         "affinity_record_fail",
+        "tc_maglev_pick",
+        "tc_maglev_miss",
     ];
 }
 
@@ -358,6 +373,45 @@ pub struct CtEntry4 {
 }
 const _: () = assert!(size_of::<CtEntry4>() == 40);
 
+/// Maglev consistent hashing for the packet path (`--lb-algorithm maglev`): the agent builds a
+/// table per external frontend from the frontend's backend set; the kernel indexes it with a hash
+/// of the flow. Both functions here are used by the kernel and by tests that predict its choice.
+pub mod maglev {
+    /// Slots per table: a prime, about 400 × the backends of a typical Service, so that a change
+    /// of one backend of N moves little more than 1/N of the flows (the paper's rule is 100 ×).
+    pub const TABLE_SIZE: u32 = 4093;
+
+    /// The flow's hash. It covers the client's address and port, the protocol and the frontend's
+    /// port, but not the frontend's address: the same client flow then lands on the same backend
+    /// through any node, and through any of a Service's NodePort addresses or LB IPs.
+    #[inline(always)]
+    pub fn flow_hash(client_addr_be: u32, client_port_be: u16, frontend_port_be: u16, proto: u8) -> u32 {
+        // Byte order is fixed (network), so every node computes the same value.
+        let mut x = (u64::from(u32::from_be(client_addr_be)) << 32)
+            | (u64::from(u16::from_be(client_port_be)) << 16)
+            | u64::from(u16::from_be(frontend_port_be));
+        x ^= u64::from(proto) << 56 | u64::from(proto);
+        // SplitMix64's finaliser.
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (x ^ (x >> 31)) as u32
+    }
+
+    /// The table slot of a flow hash.
+    #[inline(always)]
+    pub fn slot(hash: u32) -> usize {
+        (hash % TABLE_SIZE) as usize
+    }
+}
+
+/// Value of the Maglev map: slot -> backend id (a key of the backend map).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MaglevTable4 {
+    pub backend_ids: [u32; maglev::TABLE_SIZE as usize],
+}
+const _: () = assert!(size_of::<MaglevTable4>() == 4 * maglev::TABLE_SIZE as usize);
+
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
@@ -374,4 +428,5 @@ mod pod {
     unsafe impl aya::Pod for IfAddr4 {}
     unsafe impl aya::Pod for AffinityKey4 {}
     unsafe impl aya::Pod for AffinityValue4 {}
+    unsafe impl aya::Pod for MaglevTable4 {}
 }

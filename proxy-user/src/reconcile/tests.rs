@@ -209,7 +209,7 @@ fn random_sequences_with_injected_failures_stay_consistent_and_converge() {
         }
         for (frontend, spec) in &state.frontends {
             let value = reconciler.maps.services[&service_key(frontend, 0).unwrap()];
-            assert_eq!(value, slot0_value(spec, value.count, value.rev_nat_id), "round {round}: slot 0 of {frontend}");
+            assert_eq!(value, slot0_value(spec, value.count, value.rev_nat_id, false), "round {round}: slot 0 of {frontend}");
         }
         let addresses: BTreeSet<_> = state.frontends.keys().map(|f| (f.addr, f.port, f.proto)).collect();
         assert_eq!(reconciler.maps.rev_nats.len(), addresses.len(), "round {round}: leaked rev-NAT");
@@ -291,4 +291,90 @@ fn ipv6_frontends_are_skipped_without_error_until_ipv6_maps_exist() {
     assert!(report.failures.is_empty(), "{:?}", report.failures);
     assert_eq!(report.writes, 4, "only the IPv4 frontend: backend, slot, rev-NAT, slot 0");
     assert_eq!(reconciler.reconcile(&state).writes, 0);
+}
+
+/// The Maglev table of an external frontend, as backend addresses.
+fn maglev_by_addr(maps: &FakeMaps, frontend: &Frontend) -> Vec<BackendAddr> {
+    let slot0 = maps.services[&service_key(frontend, 0).unwrap()];
+    assert_ne!(slot0.flags & svc_flags::MAGLEV, 0, "{frontend} is not marked for Maglev");
+    maps.maglev[&slot0.rev_nat_id].iter().map(|id| decode_backend(&maps.backends[id]).unwrap()).collect()
+}
+
+#[test]
+fn maglev_tables_go_to_external_frontends_and_name_only_their_backends() {
+    let internal = frontend(10, 80, Proto::Tcp);
+    let external = Frontend { scope: Scope::External, ..internal };
+    let empty = Frontend { scope: Scope::External, ..frontend(11, 80, Proto::Tcp) };
+    let three: Vec<_> = (1..=3).map(|i| backend(i, 8080, Proto::Tcp)).collect();
+    let state = desired(&[(internal, three.clone()), (external, three.clone()), (empty, vec![])]);
+    let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap().with_algorithm(LbAlgorithm::Maglev);
+    let report = reconciler.reconcile(&state);
+    assert!(report.failures.is_empty(), "{:?}", report.failures);
+    let maps = reconciler.maps();
+    assert!(maps.violations.is_empty(), "{:?}", maps.violations);
+    assert_eq!(maps.maglev.len(), 1, "one table: the external frontend with backends");
+    let internal_slot0 = maps.services[&service_key(&internal, 0).unwrap()];
+    assert_eq!(internal_slot0.flags & svc_flags::MAGLEV, 0, "socket hooks pick at random");
+    let table = maglev_by_addr(maps, &external);
+    assert_eq!(table.len(), proxy_abi::maglev::TABLE_SIZE as usize);
+    for backend in &three {
+        let share = table.iter().filter(|b| *b == backend).count();
+        assert!(share.abs_diff(table.len() / 3) <= 1, "{backend}: {share} slots");
+    }
+    assert_eq!(reconciler.reconcile(&state).writes, 0, "an unchanged table is not rewritten");
+
+    // One backend goes: its slots move, the others' stay.
+    let before = table;
+    let two = desired(&[(internal, three[..2].to_vec()), (external, three[..2].to_vec()), (empty, vec![])]);
+    assert!(reconciler.reconcile(&two).failures.is_empty());
+    let after = maglev_by_addr(reconciler.maps(), &external);
+    let moved = before.iter().zip(&after).filter(|(b, a)| **b != three[2] && b != a).count();
+    assert!(moved < before.len() * 3 / 100, "{moved} slots of remaining backends moved");
+    assert!(after.iter().all(|b| *b != three[2]));
+    assert!(reconciler.maps().violations.is_empty(), "{:?}", reconciler.maps().violations);
+}
+
+#[test]
+fn maglev_tables_are_the_same_on_nodes_whose_backend_ids_differ() {
+    let external = Frontend { scope: Scope::External, ..frontend(10, 80, Proto::Tcp) };
+    let backends: Vec<_> = (1..=5).map(|i| backend(i, 8080, Proto::Tcp)).collect();
+    let state = desired(&[(external, backends.clone())]);
+    // Node A programs the Service directly; node B had other Services first, so its ids differ.
+    let mut a = Reconciler::adopt(FakeMaps::default()).unwrap().with_algorithm(LbAlgorithm::Maglev);
+    a.reconcile(&state);
+    let mut b = Reconciler::adopt(FakeMaps::default()).unwrap().with_algorithm(LbAlgorithm::Maglev);
+    let other = frontend(99, 443, Proto::Tcp);
+    b.reconcile(&desired(&[(other, (20..30).map(|i| backend(i, 443, Proto::Tcp)).collect())]));
+    b.reconcile(&state);
+    assert_ne!(a.maps().backends.keys().collect::<Vec<_>>(), b.maps().backends.keys().collect::<Vec<_>>());
+    assert_eq!(maglev_by_addr(a.maps(), &external), maglev_by_addr(b.maps(), &external));
+}
+
+#[test]
+fn switching_algorithms_keeps_the_frontend_and_drops_or_rebuilds_its_table() {
+    let external = Frontend { scope: Scope::External, ..frontend(10, 80, Proto::Tcp) };
+    let state = desired(&[(external, vec![backend(1, 8080, Proto::Tcp), backend(2, 8080, Proto::Tcp)])]);
+    let mut maglev = Reconciler::adopt(FakeMaps::default()).unwrap().with_algorithm(LbAlgorithm::Maglev);
+    maglev.reconcile(&state);
+    let maps = maglev.maps().clone();
+
+    // A restart with the same algorithm re-learns the table and writes nothing.
+    let mut same = Reconciler::adopt(maps.clone()).unwrap().with_algorithm(LbAlgorithm::Maglev);
+    assert_eq!(same.reconcile(&state).writes, 0);
+
+    // A restart with `random`: slot 0 loses the mark first, then the table goes.
+    let mut random = Reconciler::adopt(maps).unwrap();
+    let report = random.reconcile(&state);
+    assert!(report.failures.is_empty(), "{:?}", report.failures);
+    assert_eq!(report.writes, 2, "slot 0 and the table");
+    let slot0 = random.maps().services[&service_key(&external, 0).unwrap()];
+    assert_eq!(slot0.flags & svc_flags::MAGLEV, 0);
+    assert!(random.maps().maglev.is_empty());
+    assert!(random.maps().violations.is_empty(), "{:?}", random.maps().violations);
+
+    // And back: the table is written before slot 0 is marked (checked after every write).
+    let mut back = Reconciler::adopt(random.maps().clone()).unwrap().with_algorithm(LbAlgorithm::Maglev);
+    assert_eq!(back.reconcile(&state).writes, 2);
+    assert!(back.maps().violations.is_empty(), "{:?}", back.maps().violations);
+    assert_eq!(maglev_by_addr(back.maps(), &external), maglev_by_addr(maglev.maps(), &external));
 }

@@ -111,6 +111,10 @@ struct ClientArgs {
     count: u32,
     #[arg(long, default_value_t = 1000)]
     timeout_ms: u64,
+    /// UDP only: send request i from source port SOURCE_PORT + i (each a new flow with a known
+    /// tuple), instead of a port the kernel picks.
+    #[arg(long)]
+    source_port: Option<u16>,
 }
 
 fn error_name(error: &std::io::Error) -> String {
@@ -190,7 +194,11 @@ fn tcp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
 }
 
 fn udp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
-    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    udp_once_from(0, to, timeout)
+}
+
+fn udp_once_from(source_port: u16, to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+    let socket = UdpSocket::bind(("0.0.0.0", source_port))?;
     socket.set_read_timeout(Some(timeout))?;
     socket.send_to(b"ping", to)?;
     let mut buf = [0u8; 2048];
@@ -210,10 +218,12 @@ fn run_requests(count: u32, mut once: impl FnMut() -> std::io::Result<String>) -
         match once() {
             Ok(name) => {
                 summary.ok += 1;
+                summary.sequence.push(name.clone());
                 *answers.entry(name).or_default() += 1;
             }
             Err(error) => {
                 summary.failed += 1;
+                summary.sequence.push(format!("error:{}", error_name(&error)));
                 *summary.errors.entry(error_name(&error)).or_default() += 1;
             }
         }
@@ -291,7 +301,14 @@ fn main() {
         Cmd::Steady { .. } | Cmd::UdpConnected { .. } => unreachable!("handled above"),
         Cmd::Serve { name, tcp, udp, tcp_peer } => serve(name, tcp, udp, tcp_peer),
         Cmd::Tcp(a) => run_requests(a.count, || tcp_once(a.to, Duration::from_millis(a.timeout_ms))),
-        Cmd::Udp(a) => run_requests(a.count, || udp_once(a.to, Duration::from_millis(a.timeout_ms))),
+        Cmd::Udp(a) => {
+            let mut next_port = a.source_port;
+            run_requests(a.count, || {
+                let port = next_port.unwrap_or(0);
+                next_port = next_port.map(|p| p.wrapping_add(1));
+                udp_once_from(port, a.to, Duration::from_millis(a.timeout_ms))
+            })
+        }
     };
     println!("{}", serde_json::to_string(&summary).expect("summary is serialisable"));
 }
