@@ -77,6 +77,8 @@ pub struct Agent {
     /// The network namespace the agent runs in (`None`: the test's own). Its health and metrics
     /// listen on that namespace's loopback.
     pub netns: Option<PathBuf>,
+    /// `--node-name` (`node-1` unless started as another node).
+    pub node_name: String,
     starts: u32,
 }
 
@@ -143,6 +145,30 @@ impl Agent {
             source_args,
             extra_args,
             netns,
+            node_name: "node-1".into(),
+            starts: 0,
+        };
+        agent.restart()?;
+        Ok(agent)
+    }
+
+    /// The agent of a second node, `node_name`, on the same manifest as `first`: it runs in
+    /// `netns` (that node's namespace) and balances the sockets of `cgroup` (that node's pods),
+    /// with its own bpffs directory, state, ports and log. Waits until it has synced.
+    pub fn start_other_node(first: &Agent, node_name: &str, cgroup: &Path, netns: &Path) -> anyhow::Result<Self> {
+        let (healthz_port, metrics_port) = free_ports();
+        let mut agent = Self {
+            child: None,
+            bpffs: PathBuf::from(format!("{}-{node_name}", first.bpffs.display())),
+            cgroup: cgroup.to_owned(),
+            healthz_port,
+            metrics_port,
+            log: first.log.with_extension(format!("{node_name}.log")),
+            state_dir: first.state_dir.with_extension(node_name),
+            source_args: first.source_args.clone(),
+            extra_args: Vec::new(),
+            netns: Some(netns.to_owned()),
+            node_name: node_name.to_owned(),
             starts: 0,
         };
         agent.restart()?;
@@ -173,6 +199,7 @@ impl Agent {
             source_args: self.source_args.clone(),
             extra_args: self.extra_args.clone(),
             netns: self.netns.clone(),
+            node_name: self.node_name.clone(),
             starts: 0,
         };
         second.spawn()?;
@@ -207,7 +234,7 @@ impl Agent {
             .arg(&self.bpffs)
             .arg(format!("--healthz-bind=127.0.0.1:{}", self.healthz_port))
             .arg(format!("--metrics-bind=127.0.0.1:{}", self.metrics_port))
-            .arg("--node-name=node-1")
+            .arg(format!("--node-name={}", self.node_name))
             .arg("--state-dir")
             .arg(&self.state_dir)
             .args(&self.extra_args)

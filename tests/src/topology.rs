@@ -161,8 +161,13 @@ impl Topology {
     /// so its sockets see the agent's socket-level load balancing. Uses setns(2) directly, since
     /// `ip netns exec` would remount /sys and hide the cgroup and bpffs mounts.
     pub fn command_in(&self, pod: &str, program: &Path) -> anyhow::Result<Command> {
+        self.command_in_cgroup(pod, program, &self.cgroup.path)
+    }
+
+    /// As [`Topology::command_in`], but in `cgroup` (another node's, whose agent balances it).
+    pub fn command_in_cgroup(&self, pod: &str, program: &Path, cgroup: &Path) -> anyhow::Result<Command> {
         let netns = File::open(self.pod(pod).netns.path())?;
-        let procs = fs::OpenOptions::new().write(true).open(self.cgroup.path.join("cgroup.procs"))?;
+        let procs = fs::OpenOptions::new().write(true).open(cgroup.join("cgroup.procs"))?;
         let mut cmd = Command::new(program);
         // SAFETY: only async-signal-safe calls (setns, write) between fork and exec; the files
         // are moved into the closure and stay open until exec.

@@ -243,3 +243,108 @@ fn a_bad_nodeport_addresses_cidr_is_a_cli_error_naming_it() {
     assert!(!output.status.success(), "{stderr}");
     assert!(stderr.contains("invalid CIDR \"10.0.0.0/33\""), "{stderr}");
 }
+
+#[test]
+fn a_pod_reaches_itself_through_its_own_service_hairpin() {
+    let env = Env::new();
+    // be1 is one of the two endpoints behind each of these; from be1 some connections must come
+    // back to be1 itself (and answers appear to come from the Service), the others reach be2.
+    for (kind, to) in [
+        ("tcp", "10.96.0.50:80".to_owned()),
+        ("udp", "10.96.0.50:53".to_owned()),
+        ("tcp", format!("{NODE_IP}:{NODE_PORT}")),
+        ("udp", format!("{NODE_IP}:{NODE_PORT}")),
+    ] {
+        let summary = probe::client(&env.topo, "be1", kind, &to, 60).expect("probe from be1");
+        assert_spread(&summary, 60);
+    }
+}
+
+const TWO_NODE_VIP: &str = "10.96.0.56";
+const CLUSTER_VIP: &str = "10.96.0.57";
+const BE3_IP: &str = "10.244.2.10";
+
+/// `local` (internalTrafficPolicy: Local) and `cluster` with the same endpoints: be1 on node-1
+/// and, when `with_be3`, be3 on node-2.
+fn two_node_manifest(with_be3: bool) -> String {
+    let mut out = String::new();
+    for (name, vip, policy) in [("local", TWO_NODE_VIP, "Local"), ("cluster", CLUSTER_VIP, "Cluster")] {
+        let be3 = if with_be3 { format!("\n- {{addresses: [{BE3_IP}], nodeName: node-2}}") } else { String::new() };
+        out.push_str(&format!(
+            r#"---
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: demo}}
+spec:
+  clusterIP: {vip}
+  internalTrafficPolicy: {policy}
+  ports: [{{name: http, port: 80, targetPort: 8080, protocol: TCP}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-1, namespace: demo, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+endpoints:
+- {{addresses: [10.244.1.11], nodeName: node-1}}{be3}
+ports: [{{name: http, port: 8080, protocol: TCP}}]
+"#
+        ));
+    }
+    out
+}
+
+#[test]
+fn internal_traffic_policy_local_keeps_the_clients_of_each_node_on_that_nodes_endpoints() {
+    // Two nodes, each with its own agent: node-1 (the topology's node: client, be1, be2) and
+    // node-2 (one namespace that is the node and its pod be3), each balancing its own pods'
+    // sockets, from the same Services.
+    let (mut topo, _servers) = scenario::client_and_two_backends();
+    topo.add_remote_pod("be3", 10, &["10.244.1.0/24"]).expect("node-2 with be3");
+    let _be3 = probe::serve(&topo, "be3", "be3", &[8080], &[]).expect("be3 server");
+    let dir = AgentDir::new(&topo.id).expect("agent dir");
+    dir.write_manifest(&two_node_manifest(true)).expect("manifest");
+    let node1 = Agent::start_file_in_node(&topo, &dir, &[]).expect("node-1 agent");
+    let node2_pods = e2e::topology::Cgroup::create(&format!("{}-{}-node-2", e2e::PREFIX, topo.id)).expect("cgroup");
+    let node2 =
+        Agent::start_other_node(&node1, "node-2", &node2_pods.path, &topo.pod("be3").netns.path()).expect("node-2 agent");
+    let from_node1 = |to: &str, count| probe::client(&topo, "client", "tcp", to, count).expect("probe on node-1");
+    let from_node2 = |to: &str, count| {
+        let command = topo.command_in_cgroup("be3", &e2e::bin("epx-probe"), &node2_pods.path).expect("command");
+        probe::client_with(command, "tcp", to, count).expect("probe on node-2")
+    };
+    let local = format!("{TWO_NODE_VIP}:80");
+
+    // Each node's clients reach only that node's endpoint.
+    let summary = from_node1(&local, 40);
+    assert_eq!((summary.ok, summary.answered_by("be1")), (40, 40), "node-1's client: {summary:?}");
+    let summary = from_node2(&local, 40);
+    assert_eq!((summary.ok, summary.answered_by("be3")), (40, 40), "node-2's client: {summary:?}");
+    // With the Cluster policy both nodes' clients reach both endpoints (be1 is reachable from node-2).
+    let cluster = format!("{CLUSTER_VIP}:80");
+    for summary in [from_node1(&cluster, 60), from_node2(&cluster, 60)] {
+        assert_eq!(summary.ok, 60, "{summary:?}");
+        assert!(summary.answered_by("be1") >= 12 && summary.answered_by("be3") >= 12, "{summary:?}");
+    }
+
+    // be3 goes: node-2 has no local endpoint left, so its clients are refused (never sent to
+    // node-1's be1), while node-1's clients are unaffected.
+    dir.write_manifest(&two_node_manifest(false)).expect("manifest");
+    let started = Instant::now();
+    loop {
+        let backends = node2.dump().expect("dump")["services"]
+            .as_array()
+            .expect("services")
+            .iter()
+            .filter(|s| s["ip"] == TWO_NODE_VIP)
+            .all(|s| s["backends"].as_array().is_some_and(Vec::is_empty));
+        if backends {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "node-2 still has a local endpoint\n{}", node2.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let summary = from_node2(&local, 10);
+    assert_eq!((summary.ok, summary.errors_of("ECONNREFUSED")), (0, 10), "node-2's client: {summary:?}");
+    let summary = from_node1(&local, 20);
+    assert_eq!((summary.ok, summary.answered_by("be1")), (20, 20), "node-1's client: {summary:?}");
+}
