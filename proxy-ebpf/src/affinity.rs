@@ -2,9 +2,9 @@
 //! programs: a client that used a frontend within its timeout gets the same backend again.
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
-use proxy_abi::{stat, svc_flags, AffinityKey4, AffinityValue4, Backend4, ServiceValue4};
+use proxy_abi::{stat, svc_flags, AffinityKey4, AffinityValue4, Backend4, Backend6, ServiceValue4};
 
-use crate::maps::{count, AFFINITY4, BACKENDS4};
+use crate::maps::{count, AFFINITY4, BACKENDS4, BACKENDS6};
 
 /// The client's affinity entry for a frontend, when the frontend has affinity on.
 #[inline(always)]
@@ -22,14 +22,31 @@ pub fn key(frontend: &ServiceValue4, client: u64, kind: u8) -> Option<AffinityKe
 /// backend left the frontend, so a present backend is one of the frontend's.
 #[inline(always)]
 pub fn remembered(key: &AffinityKey4, frontend: &ServiceValue4) -> Option<(u32, Backend4)> {
+    let backend_id = remembered_id(key, frontend)?;
+    let backend = unsafe { *BACKENDS4.get_ptr(&backend_id)? };
+    count(stat::AFFINITY_HIT);
+    Some((backend_id, backend))
+}
+
+/// As [`remembered`], for an IPv6 frontend (its backends are in the IPv6 backend map; the
+/// affinity map is shared, keyed by the frontend's reverse-NAT id).
+#[inline(always)]
+pub fn remembered6(key: &AffinityKey4, frontend: &ServiceValue4) -> Option<(u32, Backend6)> {
+    let backend_id = remembered_id(key, frontend)?;
+    let backend = unsafe { *BACKENDS6.get_ptr(&backend_id)? };
+    count(stat::AFFINITY_HIT);
+    Some((backend_id, backend))
+}
+
+/// The backend id of the client's entry, if used within the frontend's timeout.
+#[inline(always)]
+fn remembered_id(key: &AffinityKey4, frontend: &ServiceValue4) -> Option<u32> {
     let entry = unsafe { *AFFINITY4.get_ptr(key)? };
     let now = unsafe { bpf_ktime_get_ns() };
     if now.saturating_sub(entry.last_used_ns) > u64::from(frontend.backend_id) * 1_000_000_000 {
         return None;
     }
-    let backend = unsafe { *BACKENDS4.get_ptr(&entry.backend_id)? };
-    count(stat::AFFINITY_HIT);
-    Some((entry.backend_id, backend))
+    Some(entry.backend_id)
 }
 
 /// Records (or refreshes) the client's backend for the frontend.

@@ -7,7 +7,7 @@ use aya_ebpf::{
     maps::{HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_abi::{
-    capacity, stat, AffinityKey4, AffinityValue4, Backend4, BackendId, CtEntry4, CtKey4, IfAddr4, MaglevTable4, RevNat4, RevNatId, RevSock4,
+    capacity, stat, AffinityKey4, AffinityValue4, Backend4, BackendId, Backend6, CtEntry4, CtKey4, IfAddr4, MaglevTable4, RevNat4, RevNat6, RevSock6, RevSockKey6, ServiceKey6, RevNatId, RevSock4,
     RevSockKey4, ServiceKey4, ServiceValue4,
 };
 
@@ -26,6 +26,18 @@ pub static REV_NAT4: HashMap<RevNatId, RevNat4> = HashMap::pinned(capacity::REV_
 #[map(name = "epx_revsk4_v1")]
 pub static REV_SOCK4: LruHashMap<RevSockKey4, RevSock4> =
     LruHashMap::pinned(capacity::REV_SOCK4, 0);
+
+#[map(name = "epx_svc6_v1")]
+pub static SERVICES6: HashMap<ServiceKey6, ServiceValue4> = HashMap::pinned(capacity::SERVICES6, 0);
+
+#[map(name = "epx_be6_v1")]
+pub static BACKENDS6: HashMap<BackendId, Backend6> = HashMap::pinned(capacity::BACKENDS6, 0);
+
+#[map(name = "epx_revnat6_v1")]
+pub static REV_NAT6: HashMap<RevNatId, RevNat6> = HashMap::pinned(capacity::REV_NAT6, 0);
+
+#[map(name = "epx_revsk6_v1")]
+pub static REV_SOCK6: LruHashMap<RevSockKey6, RevSock6> = LruHashMap::pinned(capacity::REV_SOCK6, 0);
 
 #[map(name = "epx_aff4_v1")]
 pub static AFFINITY4: LruHashMap<AffinityKey4, AffinityValue4> =

@@ -1,4 +1,6 @@
-//! Socket-level load balancing: `cgroup/connect4`, `sendmsg4`, `recvmsg4`, `getpeername4`.
+//! Socket-level load balancing: `cgroup/connect4`, `sendmsg4`, `recvmsg4`, `getpeername4`, and
+//! their IPv6 twins. An IPv6 socket that connects to an IPv4-mapped address (`::ffff:a.b.c.d`,
+//! a dual-stack socket reaching an IPv4 Service) is translated through the IPv4 maps.
 //!
 //! A local socket that connects or sends to a frontend (VIP, port, protocol) gets the address of
 //! one of its backends instead, before any packet exists; replies and `getpeername` are rewritten
@@ -12,10 +14,13 @@ use aya_ebpf::{
     programs::SockAddrContext,
     EbpfContext,
 };
-use proxy_abi::{stat, RevSock4, RevSockKey4, ServiceKey4, IPPROTO_TCP, IPPROTO_UDP, SCOPE_INTERNAL};
+use proxy_abi::{
+    stat, RevSock4, RevSock6, RevSockKey4, RevSockKey6, ServiceKey4, ServiceKey6, ServiceValue4, IPPROTO_TCP,
+    IPPROTO_UDP, SCOPE_INTERNAL,
+};
 
 use crate::affinity;
-use crate::maps::{count, BACKENDS4, REV_SOCK4, SERVICES4};
+use crate::maps::{count, BACKENDS4, BACKENDS6, REV_SOCK4, REV_SOCK6, SERVICES4, SERVICES6};
 
 /// Return value of a cgroup sock_addr program: let the syscall go on.
 const SYSCALL_PROCEED: i32 = 1;
@@ -54,10 +59,144 @@ pub fn epx_getpeername4(ctx: SockAddrContext) -> i32 {
     SYSCALL_PROCEED
 }
 
+#[cgroup_sock_addr(connect6)]
+pub fn epx_connect6(ctx: SockAddrContext) -> i32 {
+    forward6(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn epx_sendmsg6(ctx: SockAddrContext) -> i32 {
+    forward6(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn epx_recvmsg6(ctx: SockAddrContext) -> i32 {
+    reverse6(&ctx);
+    SYSCALL_PROCEED
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn epx_getpeername6(ctx: SockAddrContext) -> i32 {
+    reverse6(&ctx);
+    SYSCALL_PROCEED
+}
+
 #[inline(always)]
 fn forward(ctx: &SockAddrContext) -> i32 {
+    verdict(try_forward(ctx, ctx.sock_addr))
+}
+
+#[inline(always)]
+fn forward6(ctx: &SockAddrContext) -> i32 {
+    verdict(try_forward6(ctx, ctx.sock_addr))
+}
+
+/// `::ffff:0:0/96`, the third word of an IPv4-mapped IPv6 address (network byte order).
+const V4_MAPPED_WORD: u32 = 0x0000_ffff_u32.to_be();
+
+/// The IPv4 address (network byte order) inside an IPv4-mapped IPv6 address.
+#[inline(always)]
+fn v4_mapped(addr: &[u32; 4]) -> Option<u32> {
+    (addr[0] == 0 && addr[1] == 0 && addr[2] == V4_MAPPED_WORD).then_some(addr[3])
+}
+
+#[inline(always)]
+fn user_ip6(sa: *mut bpf_sock_addr) -> [u32; 4] {
+    // Four 4-byte loads: the only access width the verifier allows on this field.
+    unsafe { [(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2], (*sa).user_ip6[3]] }
+}
+
+#[inline(always)]
+fn set_user_ip6(sa: *mut bpf_sock_addr, addr: &[u32; 4]) {
+    unsafe {
+        (*sa).user_ip6[0] = addr[0];
+        (*sa).user_ip6[1] = addr[1];
+        (*sa).user_ip6[2] = addr[2];
+        (*sa).user_ip6[3] = addr[3];
+    }
+}
+
+/// IPv6 connect/sendmsg: an IPv6 frontend through the IPv6 maps; an IPv4-mapped address through
+/// the IPv4 maps (the backend is written back IPv4-mapped).
+#[inline(always)]
+fn try_forward6(ctx: &SockAddrContext, sa: *mut bpf_sock_addr) -> Result<(), Refusal> {
+    let Some(proto) = l4_proto(sa) else { return Ok(()) };
+    let addr = user_ip6(sa);
+    let port_be = unsafe { (*sa).user_port } as u16;
+    if let Some(addr_be) = v4_mapped(&addr) {
+        let Some((backend_addr_be, backend_port_be)) = translate4(ctx, addr_be, port_be, proto)? else { return Ok(()) };
+        set_user_ip6(sa, &[0, 0, V4_MAPPED_WORD, backend_addr_be]);
+        unsafe { (*sa).user_port = u32::from(backend_port_be) };
+        count(stat::SOCK_XLATE);
+        return Ok(());
+    }
+
+    let mut key = ServiceKey6::new(addr, port_be, proto, SCOPE_INTERNAL, 0);
+    let Some(frontend) = SERVICES6.get_ptr(&key) else { return Ok(()) };
+    let frontend = unsafe { *frontend };
+    if frontend.count == 0 {
+        return Err(Refusal::NoBackend);
+    }
+    let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let affinity_key = affinity::key(&frontend, client, proxy_abi::affinity::CLIENT_NETNS);
+    let (backend_id, backend) = match affinity_key.as_ref().and_then(|k| affinity::remembered6(k, &frontend)) {
+        Some(chosen) => chosen,
+        None => {
+            key.backend_slot = random_slot(&frontend);
+            let Some(slot_value) = SERVICES6.get_ptr(&key) else { return Err(Refusal::LookupMiss) };
+            let backend_id = unsafe { (*slot_value).backend_id };
+            let Some(backend) = BACKENDS6.get_ptr(&backend_id) else { return Err(Refusal::LookupMiss) };
+            (backend_id, unsafe { *backend })
+        }
+    };
+    if let Some(key) = &affinity_key {
+        affinity::remember(key, backend_id);
+    }
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let rev_key = RevSockKey6 { cookie, addr: backend.addr, port_be: backend.port_be, pad: [0; 6] };
+    let rev = RevSock6 { addr, port_be, rev_nat_id: frontend.rev_nat_id };
+    if REV_SOCK6.insert(&rev_key, &rev, 0).is_err() {
+        count(stat::SOCK_REV_RECORD_FAIL);
+    }
+    set_user_ip6(sa, &backend.addr);
+    unsafe { (*sa).user_port = u32::from(backend.port_be) };
+    count(stat::SOCK_XLATE);
+    Ok(())
+}
+
+#[inline(always)]
+fn reverse6(ctx: &SockAddrContext) {
     let sa = ctx.sock_addr;
-    match try_forward(ctx, sa) {
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let addr = user_ip6(sa);
+    let port_be = unsafe { (*sa).user_port } as u16;
+    if let Some(addr_be) = v4_mapped(&addr) {
+        let key = RevSockKey4 { cookie, addr_be, port_be, pad: [0; 2] };
+        let Some(rev) = REV_SOCK4.get_ptr(&key) else { return };
+        let rev = unsafe { *rev };
+        set_user_ip6(sa, &[0, 0, V4_MAPPED_WORD, rev.addr_be]);
+        unsafe { (*sa).user_port = u32::from(rev.port_be) };
+        count(stat::SOCK_REV_XLATE);
+        return;
+    }
+    let key = RevSockKey6 { cookie, addr, port_be, pad: [0; 6] };
+    let Some(rev) = REV_SOCK6.get_ptr(&key) else { return };
+    let rev = unsafe { *rev };
+    set_user_ip6(sa, &rev.addr);
+    unsafe { (*sa).user_port = u32::from(rev.port_be) };
+    count(stat::SOCK_REV_XLATE);
+}
+
+/// A random backend slot of a frontend with backends (1..=count).
+#[inline(always)]
+fn random_slot(frontend: &ServiceValue4) -> u16 {
+    let random = unsafe { bpf_get_prandom_u32() }.rotate_left(crate::VARIANT_ROTATE);
+    (random % u32::from(frontend.count)) as u16 + 1
+}
+
+#[inline(always)]
+fn verdict(result: Result<(), Refusal>) -> i32 {
+    match result {
         Ok(()) => SYSCALL_PROCEED,
         Err(refusal) => {
             count(match refusal {
@@ -87,9 +226,21 @@ fn try_forward(ctx: &SockAddrContext, sa: *mut bpf_sock_addr) -> Result<(), Refu
     let addr_be = unsafe { (*sa).user_ip4 };
     // user_port holds the port in network byte order in its low 16 bits.
     let port_be = unsafe { (*sa).user_port } as u16;
+    let Some((backend_addr_be, backend_port_be)) = translate4(ctx, addr_be, port_be, proto)? else { return Ok(()) };
+    unsafe {
+        (*sa).user_ip4 = backend_addr_be;
+        (*sa).user_port = u32::from(backend_port_be);
+    }
+    count(stat::SOCK_XLATE);
+    Ok(())
+}
 
+/// The backend (address, port; network byte order) for a connection to an IPv4 frontend, with
+/// the reverse translation recorded; None if the address is no frontend.
+#[inline(always)]
+fn translate4(ctx: &SockAddrContext, addr_be: u32, port_be: u16, proto: u8) -> Result<Option<(u32, u16)>, Refusal> {
     let mut key = ServiceKey4::new(addr_be, port_be, proto, SCOPE_INTERNAL, 0);
-    let Some(frontend) = SERVICES4.get_ptr(&key) else { return Ok(()) };
+    let Some(frontend) = SERVICES4.get_ptr(&key) else { return Ok(None) };
     let frontend = unsafe { *frontend };
     if frontend.count == 0 {
         return Err(Refusal::NoBackend);
@@ -102,9 +253,7 @@ fn try_forward(ctx: &SockAddrContext, sa: *mut bpf_sock_addr) -> Result<(), Refu
     let (backend_id, backend) = match affinity_key.as_ref().and_then(|k| affinity::remembered(k, &frontend)) {
         Some(chosen) => chosen,
         None => {
-            let random = unsafe { bpf_get_prandom_u32() }.rotate_left(crate::VARIANT_ROTATE);
-            let slot = (random % u32::from(frontend.count)) as u16 + 1;
-            key.backend_slot = slot;
+            key.backend_slot = random_slot(&frontend);
             let Some(slot_value) = SERVICES4.get_ptr(&key) else { return Err(Refusal::LookupMiss) };
             let backend_id = unsafe { (*slot_value).backend_id };
             let Some(backend) = BACKENDS4.get_ptr(&backend_id) else { return Err(Refusal::LookupMiss) };
@@ -122,13 +271,7 @@ fn try_forward(ctx: &SockAddrContext, sa: *mut bpf_sock_addr) -> Result<(), Refu
     if REV_SOCK4.insert(&rev_key, &rev, 0).is_err() {
         count(stat::SOCK_REV_RECORD_FAIL);
     }
-
-    unsafe {
-        (*sa).user_ip4 = backend.addr_be;
-        (*sa).user_port = u32::from(backend.port_be);
-    }
-    count(stat::SOCK_XLATE);
-    Ok(())
+    Ok(Some((backend.addr_be, backend.port_be)))
 }
 
 #[inline(always)]

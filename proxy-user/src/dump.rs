@@ -2,7 +2,7 @@
 //! agent is stopped).
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 
 use anyhow::Context;
@@ -11,8 +11,8 @@ use serde::Serialize;
 use proxy_abi::{backend_flags, svc_flags};
 
 use crate::kernel::{self, KernelMaps};
-use crate::lbmap::LbMaps;
-use crate::reconcile::{decode_backend, decode_frontend};
+use crate::lbmap::{BackendValue, LbMaps, RevNatValue};
+use crate::reconcile::{backend_flags_of, decode_backend, decode_frontend, ipv6_from_words};
 
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -141,13 +141,25 @@ fn monotonic_now_ns() -> u64 {
     }
 }
 
+/// `ip:port` of a reverse-NAT entry (`[ip6]:port` for IPv6).
+fn rev_nat_text(value: &RevNatValue) -> String {
+    match value {
+        RevNatValue::V4(r) => SocketAddr::new(Ipv4Addr::from(u32::from_be(r.addr_be)).into(), u16::from_be(r.port_be)),
+        RevNatValue::V6(r) => SocketAddr::new(ipv6_from_words(r.addr).into(), u16::from_be(r.port_be)),
+    }
+    .to_string()
+}
+
+/// `ip:port` of a backend entry (`[ip6]:port` for IPv6).
+fn backend_text(value: &BackendValue) -> String {
+    decode_backend(value).map_or_else(|| "(undecodable)".to_owned(), |b| SocketAddr::new(b.addr, b.port).to_string())
+}
+
 fn affinity_entries(
     entries: Vec<(proxy_abi::AffinityKey4, proxy_abi::AffinityValue4)>,
-    rev_nats: &BTreeMap<u16, proxy_abi::RevNat4>,
-    backends: &BTreeMap<u32, proxy_abi::Backend4>,
+    rev_nats: &BTreeMap<u16, RevNatValue>,
+    backends: &BTreeMap<u32, BackendValue>,
 ) -> Vec<DumpedAffinity> {
-    use std::net::{Ipv4Addr, SocketAddrV4};
-    let addr = |a: u32, p: u16| SocketAddrV4::new(Ipv4Addr::from(u32::from_be(a)), u16::from_be(p)).to_string();
     let now_ns = monotonic_now_ns();
     let mut dumped: Vec<DumpedAffinity> = entries
         .into_iter()
@@ -157,11 +169,9 @@ fn affinity_entries(
             } else {
                 format!("netns:{}", key.client)
             },
-            frontend: rev_nats
-                .get(&key.rev_nat_id)
-                .map_or_else(|| format!("rev-nat:{}", key.rev_nat_id), |r| addr(r.addr_be, r.port_be)),
+            frontend: rev_nats.get(&key.rev_nat_id).map_or_else(|| format!("rev-nat:{}", key.rev_nat_id), rev_nat_text),
             rev_nat_id: key.rev_nat_id,
-            backend: backends.get(&value.backend_id).map_or_else(|| "(gone)".to_owned(), |b| addr(b.addr_be, b.port_be)),
+            backend: backends.get(&value.backend_id).map_or_else(|| "(gone)".to_owned(), backend_text),
             backend_id: value.backend_id,
             idle_seconds: now_ns.saturating_sub(value.last_used_ns) / 1_000_000_000,
         })
@@ -171,14 +181,11 @@ fn affinity_entries(
 }
 
 /// How many slots of a Maglev table each backend has.
-fn maglev_shares(table: Option<&Vec<u32>>, backends: &BTreeMap<u32, proxy_abi::Backend4>) -> BTreeMap<String, u32> {
+fn maglev_shares(table: Option<&Vec<u32>>, backends: &BTreeMap<u32, BackendValue>) -> BTreeMap<String, u32> {
     let Some(table) = table else { return BTreeMap::from([("(table missing)".to_owned(), 0)]) };
     let mut shares = BTreeMap::new();
     for id in table {
-        let name = backends
-            .get(id)
-            .and_then(decode_backend)
-            .map_or_else(|| format!("(backend {id} gone)"), |b| SocketAddr::new(b.addr, b.port).to_string());
+        let name = backends.get(id).map_or_else(|| format!("(backend {id} gone)"), backend_text);
         *shares.entry(name).or_default() += 1;
     }
     shares
@@ -191,16 +198,15 @@ pub fn collect(bpffs: &Path) -> anyhow::Result<Dump> {
     let backends: BTreeMap<_, _> = maps.backends()?.into_iter().collect();
     let tables: BTreeMap<_, _> = maps.maglev_tables()?.into_iter().collect();
     let mut services = Vec::new();
-    for (key, value) in entries.iter().filter(|(k, _)| k.backend_slot == 0) {
+    for (key, value) in entries.iter().filter(|(k, _)| k.slot() == 0) {
         let Some(frontend) = decode_frontend(key) else { continue };
         let mut dumped = Vec::new();
         for slot in 1..=value.count {
-            let slot_key = proxy_abi::ServiceKey4 { backend_slot: slot, ..*key };
-            let Some(slot_value) = entries.get(&slot_key) else { continue };
+            let Some(slot_value) = entries.get(&key.with_slot(slot)) else { continue };
             let id = slot_value.backend_id;
             let Some(entry) = backends.get(&id) else { continue };
             if let Some(backend) = decode_backend(entry) {
-                let local = entry.flags & backend_flags::LOCAL != 0;
+                let local = backend_flags_of(entry) & backend_flags::LOCAL != 0;
                 dumped.push(DumpedBackend { id, ip: backend.addr.to_string(), port: backend.port, local });
             }
         }

@@ -16,11 +16,11 @@ use aya::maps::{HashMap, Map, MapData, MapType};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
 use proxy_abi::{
-    capacity, map_name, Backend4, BackendId, CtEntry4, CtKey4, MaglevTable4, RevNat4, RevNatId, RevSock4, RevSockKey4,
-    ServiceKey4, ServiceValue4,
+    capacity, map_name, Backend4, Backend6, BackendId, CtEntry4, CtKey4, MaglevTable4, RevNat4, RevNat6, RevNatId,
+    RevSock4, RevSock6, RevSockKey4, RevSockKey6, ServiceKey4, ServiceKey6, ServiceValue4,
 };
 
-use crate::lbmap::{LbMaps, MapError};
+use crate::lbmap::{BackendValue, LbMaps, MapError, RevNatValue, SvcKey};
 
 pub mod tc;
 
@@ -31,7 +31,16 @@ const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 
 /// The socket-LB programs: ELF function name, and the name of its pinned link.
-pub const SOCK_PROGRAMS: [&str; 4] = ["epx_connect4", "epx_sendmsg4", "epx_recvmsg4", "epx_getpeername4"];
+pub const SOCK_PROGRAMS: [&str; 8] = [
+    "epx_connect4",
+    "epx_sendmsg4",
+    "epx_recvmsg4",
+    "epx_getpeername4",
+    "epx_connect6",
+    "epx_sendmsg6",
+    "epx_recvmsg6",
+    "epx_getpeername6",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
@@ -131,7 +140,7 @@ struct MapLayout {
     max_entries: u32,
 }
 
-fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 9] {
+fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 13] {
     use std::mem::size_of;
     let size = |n: usize| n as u32;
     [
@@ -197,6 +206,34 @@ fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 9] {
             key_size: 4,
             value_size: size(size_of::<MaglevTable4>()),
             max_entries: capacity::MAGLEV4,
+        },
+        MapLayout {
+            name: map_name::SERVICES6,
+            map_type: MapType::Hash,
+            key_size: size(size_of::<ServiceKey6>()),
+            value_size: size(size_of::<ServiceValue4>()),
+            max_entries: caps.services,
+        },
+        MapLayout {
+            name: map_name::BACKENDS6,
+            map_type: MapType::Hash,
+            key_size: size(size_of::<BackendId>()),
+            value_size: size(size_of::<Backend6>()),
+            max_entries: caps.backends,
+        },
+        MapLayout {
+            name: map_name::REV_NAT6,
+            map_type: MapType::Hash,
+            key_size: size(size_of::<RevNatId>()),
+            value_size: size(size_of::<RevNat6>()),
+            max_entries: caps.rev_nat,
+        },
+        MapLayout {
+            name: map_name::REV_SOCK6,
+            map_type: MapType::LruHash,
+            key_size: size(size_of::<RevSockKey6>()),
+            value_size: size(size_of::<RevSock6>()),
+            max_entries: caps.rev_sock,
         },
     ]
 }
@@ -286,6 +323,10 @@ pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities, object: Option<&[
         .map_max_entries(map_name::REV_SOCK4, caps.rev_sock)
         .map_max_entries(map_name::CT4, caps.ct)
         .map_max_entries(map_name::AFFINITY4, caps.affinity)
+        .map_max_entries(map_name::SERVICES6, caps.services)
+        .map_max_entries(map_name::BACKENDS6, caps.backends)
+        .map_max_entries(map_name::REV_NAT6, caps.rev_nat)
+        .map_max_entries(map_name::REV_SOCK6, caps.rev_sock)
         .load(object)
         .map_err(DatapathError::Load)?;
 
@@ -416,11 +457,14 @@ fn bpf_link_update(link: BorrowedFd<'_>, program: BorrowedFd<'_>) -> io::Result<
     Ok(())
 }
 
-/// The pinned service, backend and reverse-NAT maps.
+/// The pinned service, backend and reverse-NAT maps of both families, and the Maglev tables.
 pub struct KernelMaps {
     services: HashMap<MapData, ServiceKey4, ServiceValue4>,
     backends: HashMap<MapData, BackendId, Backend4>,
     rev_nats: HashMap<MapData, RevNatId, RevNat4>,
+    services6: HashMap<MapData, ServiceKey6, ServiceValue4>,
+    backends6: HashMap<MapData, BackendId, Backend6>,
+    rev_nats6: HashMap<MapData, RevNatId, RevNat6>,
     maglev: HashMap<MapData, u32, MaglevTable4>,
 }
 
@@ -435,6 +479,9 @@ impl KernelMaps {
             services: typed(take(map_name::SERVICES4)?, map_name::SERVICES4)?,
             backends: typed(take(map_name::BACKENDS4)?, map_name::BACKENDS4)?,
             rev_nats: typed(take(map_name::REV_NAT4)?, map_name::REV_NAT4)?,
+            services6: typed(take(map_name::SERVICES6)?, map_name::SERVICES6)?,
+            backends6: typed(take(map_name::BACKENDS6)?, map_name::BACKENDS6)?,
+            rev_nats6: typed(take(map_name::REV_NAT6)?, map_name::REV_NAT6)?,
             maglev: typed(take(map_name::MAGLEV4)?, map_name::MAGLEV4)?,
         })
     }
@@ -446,6 +493,9 @@ impl KernelMaps {
             services: typed(open(map_name::SERVICES4)?, map_name::SERVICES4)?,
             backends: typed(open(map_name::BACKENDS4)?, map_name::BACKENDS4)?,
             rev_nats: typed(open(map_name::REV_NAT4)?, map_name::REV_NAT4)?,
+            services6: typed(open(map_name::SERVICES6)?, map_name::SERVICES6)?,
+            backends6: typed(open(map_name::BACKENDS6)?, map_name::BACKENDS6)?,
+            rev_nats6: typed(open(map_name::REV_NAT6)?, map_name::REV_NAT6)?,
             maglev: typed(open(map_name::MAGLEV4)?, map_name::MAGLEV4)?,
         })
     }
@@ -494,32 +544,58 @@ fn write_result(name: &'static str, op: &'static str, result: Result<(), aya::ma
 }
 
 impl LbMaps for KernelMaps {
-    fn services(&self) -> Result<Vec<(ServiceKey4, ServiceValue4)>, MapError> {
-        dump_map(&self.services, map_name::SERVICES4)
+    fn services(&self) -> Result<Vec<(SvcKey, ServiceValue4)>, MapError> {
+        let v4 = dump_map(&self.services, map_name::SERVICES4)?.into_iter().map(|(k, v)| (SvcKey::V4(k), v));
+        let v6 = dump_map(&self.services6, map_name::SERVICES6)?.into_iter().map(|(k, v)| (SvcKey::V6(k), v));
+        Ok(v4.chain(v6).collect())
     }
-    fn backends(&self) -> Result<Vec<(BackendId, Backend4)>, MapError> {
-        dump_map(&self.backends, map_name::BACKENDS4)
+    fn backends(&self) -> Result<Vec<(BackendId, BackendValue)>, MapError> {
+        let v4 = dump_map(&self.backends, map_name::BACKENDS4)?.into_iter().map(|(k, v)| (k, BackendValue::V4(v)));
+        let v6 = dump_map(&self.backends6, map_name::BACKENDS6)?.into_iter().map(|(k, v)| (k, BackendValue::V6(v)));
+        Ok(v4.chain(v6).collect())
     }
-    fn rev_nats(&self) -> Result<Vec<(RevNatId, RevNat4)>, MapError> {
-        dump_map(&self.rev_nats, map_name::REV_NAT4)
+    fn rev_nats(&self) -> Result<Vec<(RevNatId, RevNatValue)>, MapError> {
+        let v4 = dump_map(&self.rev_nats, map_name::REV_NAT4)?.into_iter().map(|(k, v)| (k, RevNatValue::V4(v)));
+        let v6 = dump_map(&self.rev_nats6, map_name::REV_NAT6)?.into_iter().map(|(k, v)| (k, RevNatValue::V6(v)));
+        Ok(v4.chain(v6).collect())
     }
-    fn put_service(&mut self, key: &ServiceKey4, value: &ServiceValue4) -> Result<(), MapError> {
-        write_result(map_name::SERVICES4, "update", self.services.insert(key, value, 0))
+    fn put_service(&mut self, key: &SvcKey, value: &ServiceValue4) -> Result<(), MapError> {
+        match key {
+            SvcKey::V4(k) => write_result(map_name::SERVICES4, "update", self.services.insert(k, value, 0)),
+            SvcKey::V6(k) => write_result(map_name::SERVICES6, "update", self.services6.insert(k, value, 0)),
+        }
     }
-    fn delete_service(&mut self, key: &ServiceKey4) -> Result<(), MapError> {
-        write_result(map_name::SERVICES4, "delete", self.services.remove(key))
+    fn delete_service(&mut self, key: &SvcKey) -> Result<(), MapError> {
+        match key {
+            SvcKey::V4(k) => write_result(map_name::SERVICES4, "delete", self.services.remove(k)),
+            SvcKey::V6(k) => write_result(map_name::SERVICES6, "delete", self.services6.remove(k)),
+        }
     }
-    fn put_backend(&mut self, id: BackendId, value: &Backend4) -> Result<(), MapError> {
-        write_result(map_name::BACKENDS4, "update", self.backends.insert(id, value, 0))
+    fn put_backend(&mut self, id: BackendId, value: &BackendValue) -> Result<(), MapError> {
+        match value {
+            BackendValue::V4(v) => write_result(map_name::BACKENDS4, "update", self.backends.insert(id, v, 0)),
+            BackendValue::V6(v) => write_result(map_name::BACKENDS6, "update", self.backends6.insert(id, v, 0)),
+        }
     }
-    fn delete_backend(&mut self, id: BackendId) -> Result<(), MapError> {
-        write_result(map_name::BACKENDS4, "delete", self.backends.remove(&id))
+    fn delete_backend(&mut self, id: BackendId, ipv6: bool) -> Result<(), MapError> {
+        if ipv6 {
+            write_result(map_name::BACKENDS6, "delete", self.backends6.remove(&id))
+        } else {
+            write_result(map_name::BACKENDS4, "delete", self.backends.remove(&id))
+        }
     }
-    fn put_rev_nat(&mut self, id: RevNatId, value: &RevNat4) -> Result<(), MapError> {
-        write_result(map_name::REV_NAT4, "update", self.rev_nats.insert(id, value, 0))
+    fn put_rev_nat(&mut self, id: RevNatId, value: &RevNatValue) -> Result<(), MapError> {
+        match value {
+            RevNatValue::V4(v) => write_result(map_name::REV_NAT4, "update", self.rev_nats.insert(id, v, 0)),
+            RevNatValue::V6(v) => write_result(map_name::REV_NAT6, "update", self.rev_nats6.insert(id, v, 0)),
+        }
     }
-    fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), MapError> {
-        write_result(map_name::REV_NAT4, "delete", self.rev_nats.remove(&id))
+    fn delete_rev_nat(&mut self, id: RevNatId, ipv6: bool) -> Result<(), MapError> {
+        if ipv6 {
+            write_result(map_name::REV_NAT6, "delete", self.rev_nats6.remove(&id))
+        } else {
+            write_result(map_name::REV_NAT4, "delete", self.rev_nats.remove(&id))
+        }
     }
     fn maglev_tables(&self) -> Result<Vec<(RevNatId, Vec<BackendId>)>, MapError> {
         let tables = dump_map(&self.maglev, map_name::MAGLEV4)?;
@@ -558,10 +634,11 @@ pub fn read_counters(bpffs: &Path) -> Result<Vec<u64>, DatapathError> {
         .collect()
 }
 
-/// Number of live entries in the socket reverse-translation LRU.
+/// Number of live entries in the socket reverse-translation LRUs (both families).
 pub fn count_rev_sock_entries(bpffs: &Path) -> Result<usize, DatapathError> {
-    let lru = open_pinned_hash::<RevSockKey4, RevSock4>(bpffs, map_name::REV_SOCK4)?;
-    Ok(lru.keys().filter(Result::is_ok).count())
+    let v4 = open_pinned_hash::<RevSockKey4, RevSock4>(bpffs, map_name::REV_SOCK4)?;
+    let v6 = open_pinned_hash::<RevSockKey6, RevSock6>(bpffs, map_name::REV_SOCK6)?;
+    Ok(v4.keys().filter(Result::is_ok).count() + v6.keys().filter(Result::is_ok).count())
 }
 
 /// The conntrack entries of the packet-level datapath (forward and reply), from the pinned LRU.
@@ -593,15 +670,12 @@ pub fn purge_stale_flows(bpffs: &Path) -> Result<PurgedFlows, DatapathError> {
     let maps = KernelMaps::open_pinned(bpffs)?;
     let services = maps.services().map_err(DatapathError::ReadServices)?;
     // (rev_nat_id, backend_id) pairs in use: a slot's frontend is its slot-0 entry.
-    let rev_nat_of: std::collections::HashMap<ServiceKey4, RevNatId> = services
-        .iter()
-        .filter(|(k, _)| k.backend_slot == 0)
-        .map(|(k, v)| (*k, v.rev_nat_id))
-        .collect();
+    let rev_nat_of: std::collections::HashMap<SvcKey, RevNatId> =
+        services.iter().filter(|(k, _)| k.slot() == 0).map(|(k, v)| (*k, v.rev_nat_id)).collect();
     let live: std::collections::HashSet<(RevNatId, BackendId)> = services
         .iter()
-        .filter(|(k, _)| k.backend_slot != 0)
-        .filter_map(|(k, v)| Some((*rev_nat_of.get(&ServiceKey4 { backend_slot: 0, ..*k })?, v.backend_id)))
+        .filter(|(k, _)| k.slot() != 0)
+        .filter_map(|(k, v)| Some((*rev_nat_of.get(&k.with_slot(0))?, v.backend_id)))
         .collect();
 
     let mut purged = PurgedFlows::default();

@@ -9,7 +9,58 @@ use std::io;
 
 #[cfg(test)]
 use proxy_abi::map_name;
-use proxy_abi::{Backend4, BackendId, RevNat4, RevNatId, ServiceKey4, ServiceValue4};
+use proxy_abi::{Backend4, Backend6, BackendId, RevNat4, RevNat6, RevNatId, ServiceKey4, ServiceKey6, ServiceValue4};
+
+/// A key of the service map of either family (`epx_svc4_v1`, `epx_svc6_v1`); both maps hold
+/// the same value type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SvcKey {
+    V4(ServiceKey4),
+    V6(ServiceKey6),
+}
+
+impl SvcKey {
+    pub fn slot(&self) -> u16 {
+        match self {
+            Self::V4(k) => k.backend_slot,
+            Self::V6(k) => k.backend_slot,
+        }
+    }
+
+    /// The same frontend's key for `slot`.
+    pub fn with_slot(&self, slot: u16) -> Self {
+        match *self {
+            Self::V4(k) => Self::V4(ServiceKey4 { backend_slot: slot, ..k }),
+            Self::V6(k) => Self::V6(ServiceKey6 { backend_slot: slot, ..k }),
+        }
+    }
+}
+
+/// A value of the backend map of either family; ids come from one space for both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackendValue {
+    V4(Backend4),
+    V6(Backend6),
+}
+
+impl BackendValue {
+    pub fn is_ipv6(&self) -> bool {
+        matches!(self, Self::V6(_))
+    }
+}
+
+/// A value of the reverse-NAT map of either family; ids come from one space for both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RevNatValue {
+    V4(RevNat4),
+    V6(RevNat6),
+}
+
+impl RevNatValue {
+    pub fn is_ipv6(&self) -> bool {
+        matches!(self, Self::V6(_))
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {
@@ -34,19 +85,20 @@ impl MapError {
     }
 }
 
-/// Read and write access to the service, backend and reverse-NAT maps.
+/// Read and write access to the service, backend and reverse-NAT maps of both families.
 ///
 /// Deleting a key that is not there succeeds: every step of the reconciler is idempotent.
 pub trait LbMaps {
-    fn services(&self) -> Result<Vec<(ServiceKey4, ServiceValue4)>, MapError>;
-    fn backends(&self) -> Result<Vec<(BackendId, Backend4)>, MapError>;
-    fn rev_nats(&self) -> Result<Vec<(RevNatId, RevNat4)>, MapError>;
-    fn put_service(&mut self, key: &ServiceKey4, value: &ServiceValue4) -> Result<(), MapError>;
-    fn delete_service(&mut self, key: &ServiceKey4) -> Result<(), MapError>;
-    fn put_backend(&mut self, id: BackendId, value: &Backend4) -> Result<(), MapError>;
-    fn delete_backend(&mut self, id: BackendId) -> Result<(), MapError>;
-    fn put_rev_nat(&mut self, id: RevNatId, value: &RevNat4) -> Result<(), MapError>;
-    fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), MapError>;
+    fn services(&self) -> Result<Vec<(SvcKey, ServiceValue4)>, MapError>;
+    fn backends(&self) -> Result<Vec<(BackendId, BackendValue)>, MapError>;
+    fn rev_nats(&self) -> Result<Vec<(RevNatId, RevNatValue)>, MapError>;
+    fn put_service(&mut self, key: &SvcKey, value: &ServiceValue4) -> Result<(), MapError>;
+    fn delete_service(&mut self, key: &SvcKey) -> Result<(), MapError>;
+    fn put_backend(&mut self, id: BackendId, value: &BackendValue) -> Result<(), MapError>;
+    /// Deletes backend `id` from the map of its family (`ipv6`).
+    fn delete_backend(&mut self, id: BackendId, ipv6: bool) -> Result<(), MapError>;
+    fn put_rev_nat(&mut self, id: RevNatId, value: &RevNatValue) -> Result<(), MapError>;
+    fn delete_rev_nat(&mut self, id: RevNatId, ipv6: bool) -> Result<(), MapError>;
     /// Maglev tables by the reverse-NAT id of their external frontend (slot -> backend id).
     fn maglev_tables(&self) -> Result<Vec<(RevNatId, Vec<BackendId>)>, MapError>;
     /// `table` has exactly `proxy_abi::maglev::TABLE_SIZE` slots.
@@ -59,9 +111,9 @@ pub trait LbMaps {
 /// check run after every write that what a packet could observe is consistent.
 #[derive(Clone, Debug)]
 pub struct FakeMaps {
-    pub services: BTreeMap<ServiceKey4, ServiceValue4>,
-    pub backends: BTreeMap<BackendId, Backend4>,
-    pub rev_nats: BTreeMap<RevNatId, RevNat4>,
+    pub services: BTreeMap<SvcKey, ServiceValue4>,
+    pub backends: BTreeMap<BackendId, BackendValue>,
+    pub rev_nats: BTreeMap<RevNatId, RevNatValue>,
     pub maglev: BTreeMap<RevNatId, Vec<BackendId>>,
     pub capacity: usize,
     /// Number of further writes that succeed before every write fails (None: never fail).
@@ -119,14 +171,18 @@ impl FakeMaps {
     /// backends, and its reverse-NAT entry exists; a frontend marked for Maglev has a full table
     /// that names existing backends.
     pub fn check_consistent(&self) -> Result<(), String> {
-        for (key, value) in self.services.iter().filter(|(k, _)| k.backend_slot == 0) {
+        for (key, value) in self.services.iter().filter(|(k, _)| k.slot() == 0) {
             for slot in 1..=value.count {
-                let slot_key = ServiceKey4 { backend_slot: slot, ..*key };
+                let slot_key = key.with_slot(slot);
                 let Some(slot_value) = self.services.get(&slot_key) else {
                     return Err(format!("{key:?}: slot {slot} missing"));
                 };
-                if !self.backends.contains_key(&slot_value.backend_id) {
-                    return Err(format!("{key:?}: slot {slot} names missing backend {}", slot_value.backend_id));
+                match self.backends.get(&slot_value.backend_id) {
+                    None => return Err(format!("{key:?}: slot {slot} names missing backend {}", slot_value.backend_id)),
+                    Some(backend) if backend.is_ipv6() != matches!(key, SvcKey::V6(_)) => {
+                        return Err(format!("{key:?}: slot {slot} names backend {} of the other family", slot_value.backend_id))
+                    }
+                    Some(_) => {}
                 }
             }
             if !self.rev_nats.contains_key(&value.rev_nat_id) {
@@ -164,48 +220,52 @@ impl FakeMaps {
 
 #[cfg(test)]
 impl LbMaps for FakeMaps {
-    fn services(&self) -> Result<Vec<(ServiceKey4, ServiceValue4)>, MapError> {
+    fn services(&self) -> Result<Vec<(SvcKey, ServiceValue4)>, MapError> {
         Ok(self.services.iter().map(|(k, v)| (*k, *v)).collect())
     }
-    fn backends(&self) -> Result<Vec<(BackendId, Backend4)>, MapError> {
+    fn backends(&self) -> Result<Vec<(BackendId, BackendValue)>, MapError> {
         Ok(self.backends.iter().map(|(k, v)| (*k, *v)).collect())
     }
-    fn rev_nats(&self) -> Result<Vec<(RevNatId, RevNat4)>, MapError> {
+    fn rev_nats(&self) -> Result<Vec<(RevNatId, RevNatValue)>, MapError> {
         Ok(self.rev_nats.iter().map(|(k, v)| (*k, *v)).collect())
     }
-    fn put_service(&mut self, key: &ServiceKey4, value: &ServiceValue4) -> Result<(), MapError> {
+    fn put_service(&mut self, key: &SvcKey, value: &ServiceValue4) -> Result<(), MapError> {
         self.before_write()?;
         Self::put(&mut self.services, map_name::SERVICES4, self.capacity, *key, *value)?;
         self.after_write();
         Ok(())
     }
-    fn delete_service(&mut self, key: &ServiceKey4) -> Result<(), MapError> {
+    fn delete_service(&mut self, key: &SvcKey) -> Result<(), MapError> {
         self.before_write()?;
         self.services.remove(key);
         self.after_write();
         Ok(())
     }
-    fn put_backend(&mut self, id: BackendId, value: &Backend4) -> Result<(), MapError> {
+    fn put_backend(&mut self, id: BackendId, value: &BackendValue) -> Result<(), MapError> {
         self.before_write()?;
         Self::put(&mut self.backends, map_name::BACKENDS4, self.capacity, id, *value)?;
         self.after_write();
         Ok(())
     }
-    fn delete_backend(&mut self, id: BackendId) -> Result<(), MapError> {
+    fn delete_backend(&mut self, id: BackendId, ipv6: bool) -> Result<(), MapError> {
         self.before_write()?;
-        self.backends.remove(&id);
+        if self.backends.get(&id).is_some_and(|b| b.is_ipv6() == ipv6) {
+            self.backends.remove(&id);
+        }
         self.after_write();
         Ok(())
     }
-    fn put_rev_nat(&mut self, id: RevNatId, value: &RevNat4) -> Result<(), MapError> {
+    fn put_rev_nat(&mut self, id: RevNatId, value: &RevNatValue) -> Result<(), MapError> {
         self.before_write()?;
         Self::put(&mut self.rev_nats, map_name::REV_NAT4, self.capacity, id, *value)?;
         self.after_write();
         Ok(())
     }
-    fn delete_rev_nat(&mut self, id: RevNatId) -> Result<(), MapError> {
+    fn delete_rev_nat(&mut self, id: RevNatId, ipv6: bool) -> Result<(), MapError> {
         self.before_write()?;
-        self.rev_nats.remove(&id);
+        if self.rev_nats.get(&id).is_some_and(|r| r.is_ipv6() == ipv6) {
+            self.rev_nats.remove(&id);
+        }
         self.after_write();
         Ok(())
     }

@@ -12,16 +12,19 @@
 //! (built in `maglev`, keyed by its reverse-NAT id), written before the slots it replaces and
 //! marked in slot 0; tables nobody marks any more are deleted with the garbage.
 //!
-//! Only IPv4 has maps so far: IPv6 frontends of the desired state are skipped here, without
-//! error, until the IPv6 maps exist.
+//! IPv4 and IPv6 frontends go to their family's maps; backend ids and reverse-NAT ids come
+//! from one space for both, so a family never needs to be guessed from an id.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use proxy_abi::{backend_flags, svc_flags, Backend4, BackendId, RevNat4, RevNatId, ServiceKey4, ServiceValue4};
+use proxy_abi::{
+    backend_flags, svc_flags, Backend4, Backend6, BackendId, RevNat4, RevNat6, RevNatId, ServiceKey4, ServiceKey6,
+    ServiceValue4,
+};
 
 use crate::desired::{BackendAddr, DesiredState, Frontend, FrontendKind, FrontendSpec, Proto, Scope};
-use crate::lbmap::{LbMaps, MapError};
+use crate::lbmap::{BackendValue, LbMaps, MapError, RevNatValue, SvcKey};
 use crate::maglev;
 
 /// How the packet path picks a new flow's backend (`--lb-algorithm`). The socket hooks always
@@ -46,7 +49,7 @@ pub enum ReconcileError {
     RevNatIdsExhausted,
     #[error("{count} backends exceed the limit of 65535 per frontend")]
     TooManyBackends { count: usize },
-    #[error("backend {backend} is not IPv4 like its frontend")]
+    #[error("backend {backend} is not of its frontend's address family")]
     FamilyMismatch { backend: BackendAddr },
 }
 
@@ -79,11 +82,11 @@ pub struct Reconciler<M> {
     frontends: BTreeMap<Frontend, AppliedFrontend>,
     /// Backend map contents, both directions.
     backend_ids: BTreeMap<BackendAddr, BackendId>,
-    backends_by_id: BTreeMap<BackendId, Backend4>,
-    rev_nats: BTreeMap<RevNatId, RevNat4>,
+    backends_by_id: BTreeMap<BackendId, BackendValue>,
+    rev_nats: BTreeMap<RevNatId, RevNatValue>,
     /// Service-map keys this build cannot decode (another layout or garbage): removed on the
     /// first reconcile, never before the first full sync.
-    strays: Vec<ServiceKey4>,
+    strays: Vec<SvcKey>,
     next_backend_id: BackendId,
     next_rev_nat_id: RevNatId,
     algorithm: LbAlgorithm,
@@ -94,31 +97,39 @@ pub struct Reconciler<M> {
     maglev_memo: BTreeMap<Vec<BackendAddr>, Vec<u32>>,
 }
 
-/// The address in network byte order, for IPv4 only.
-fn ipv4_be(addr: IpAddr) -> Option<u32> {
-    match addr {
-        IpAddr::V4(ip) => Some(u32::from(ip).to_be()),
-        IpAddr::V6(_) => None,
+/// An IPv6 address as the maps hold it: four words in network byte order.
+pub fn ipv6_words(ip: Ipv6Addr) -> [u32; 4] {
+    let o = ip.octets();
+    std::array::from_fn(|i| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]))
+}
+
+pub fn ipv6_from_words(words: [u32; 4]) -> Ipv6Addr {
+    let mut octets = [0u8; 16];
+    for (i, word) in words.iter().enumerate() {
+        octets[4 * i..4 * i + 4].copy_from_slice(&word.to_ne_bytes());
+    }
+    Ipv6Addr::from(octets)
+}
+
+/// The service-map key of a frontend's slot, in its family's map.
+pub fn service_key(frontend: &Frontend, slot: u16) -> SvcKey {
+    let (port_be, proto, scope) = (frontend.port.to_be(), frontend.proto.number(), frontend.scope.number());
+    match frontend.addr {
+        IpAddr::V4(ip) => SvcKey::V4(ServiceKey4::new(u32::from(ip).to_be(), port_be, proto, scope, slot)),
+        IpAddr::V6(ip) => SvcKey::V6(ServiceKey6::new(ipv6_words(ip), port_be, proto, scope, slot)),
     }
 }
 
-/// The service-map key of an IPv4 frontend's slot; None for IPv6.
-pub fn service_key(frontend: &Frontend, slot: u16) -> Option<ServiceKey4> {
-    Some(ServiceKey4::new(
-        ipv4_be(frontend.addr)?,
-        frontend.port.to_be(),
-        frontend.proto.number(),
-        frontend.scope.number(),
-        slot,
-    ))
-}
-
-pub fn decode_frontend(key: &ServiceKey4) -> Option<Frontend> {
+pub fn decode_frontend(key: &SvcKey) -> Option<Frontend> {
+    let (addr, port_be, proto, scope) = match key {
+        SvcKey::V4(k) => (IpAddr::V4(Ipv4Addr::from(u32::from_be(k.addr_be))), k.port_be, k.proto, k.scope),
+        SvcKey::V6(k) => (IpAddr::V6(ipv6_from_words(k.addr)), k.port_be, k.proto, k.scope),
+    };
     Some(Frontend {
-        addr: IpAddr::V4(Ipv4Addr::from(u32::from_be(key.addr_be))),
-        port: u16::from_be(key.port_be),
-        proto: Proto::from_number(key.proto)?,
-        scope: Scope::from_number(key.scope)?,
+        addr,
+        port: u16::from_be(port_be),
+        proto: Proto::from_number(proto)?,
+        scope: Scope::from_number(scope)?,
     })
 }
 
@@ -149,26 +160,38 @@ pub fn slot0_value(spec: &FrontendSpec, count: u16, rev_nat_id: RevNatId, maglev
     }
 }
 
-/// The backend-map value of an IPv4 backend; None for IPv6.
-pub fn backend_value(backend: &BackendAddr, local: bool) -> Option<Backend4> {
-    Some(Backend4 {
-        addr_be: ipv4_be(backend.addr)?,
-        port_be: backend.port.to_be(),
-        proto: backend.proto.number(),
-        flags: if local { backend_flags::LOCAL } else { 0 },
-    })
+/// The backend-map value of a backend, in its family's map.
+pub fn backend_value(backend: &BackendAddr, local: bool) -> BackendValue {
+    let (port_be, proto) = (backend.port.to_be(), backend.proto.number());
+    let flags = if local { backend_flags::LOCAL } else { 0 };
+    match backend.addr {
+        IpAddr::V4(ip) => BackendValue::V4(Backend4 { addr_be: u32::from(ip).to_be(), port_be, proto, flags }),
+        IpAddr::V6(ip) => BackendValue::V6(Backend6 { addr: ipv6_words(ip), port_be, proto, flags }),
+    }
 }
 
-pub fn decode_backend(value: &Backend4) -> Option<BackendAddr> {
-    Some(BackendAddr {
-        addr: IpAddr::V4(Ipv4Addr::from(u32::from_be(value.addr_be))),
-        port: u16::from_be(value.port_be),
-        proto: Proto::from_number(value.proto)?,
-    })
+pub fn decode_backend(value: &BackendValue) -> Option<BackendAddr> {
+    let (addr, port_be, proto) = match value {
+        BackendValue::V4(b) => (IpAddr::V4(Ipv4Addr::from(u32::from_be(b.addr_be))), b.port_be, b.proto),
+        BackendValue::V6(b) => (IpAddr::V6(ipv6_from_words(b.addr)), b.port_be, b.proto),
+    };
+    Some(BackendAddr { addr, port: u16::from_be(port_be), proto: Proto::from_number(proto)? })
 }
 
-fn rev_nat_value(frontend: &Frontend) -> Option<RevNat4> {
-    Some(RevNat4 { addr_be: ipv4_be(frontend.addr)?, port_be: frontend.port.to_be(), pad: [0; 2] })
+/// The backend map entry's flags.
+pub fn backend_flags_of(value: &BackendValue) -> u8 {
+    match value {
+        BackendValue::V4(b) => b.flags,
+        BackendValue::V6(b) => b.flags,
+    }
+}
+
+fn rev_nat_value(frontend: &Frontend) -> RevNatValue {
+    let port_be = frontend.port.to_be();
+    match frontend.addr {
+        IpAddr::V4(ip) => RevNatValue::V4(RevNat4 { addr_be: u32::from(ip).to_be(), port_be, pad: [0; 2] }),
+        IpAddr::V6(ip) => RevNatValue::V6(RevNat6 { addr: ipv6_words(ip), port_be, pad: [0; 2] }),
+    }
 }
 
 /// The same address, port and protocol in the other scope: both entries share one reverse-NAT
@@ -193,11 +216,11 @@ impl<M: LbMaps> Reconciler<M> {
                 continue;
             };
             let applied = frontends.entry(frontend).or_default();
-            if key.backend_slot == 0 {
+            if key.slot() == 0 {
                 applied.slot0 = Some(value);
                 applied.rev_nat_id = value.rev_nat_id;
             } else {
-                applied.slots.insert(key.backend_slot, value.backend_id);
+                applied.slots.insert(key.slot(), value.backend_id);
             }
         }
         let backends_by_id: BTreeMap<_, _> = maps.backends()?.into_iter().collect();
@@ -275,17 +298,13 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
 
-        let (ipv4, ipv6): (Vec<_>, Vec<_>) = desired.frontends.iter().partition(|(f, _)| f.addr.is_ipv4());
-        if !ipv6.is_empty() {
-            tracing::debug!(frontends = ipv6.len(), "IPv6 frontends skipped: this datapath has no IPv6 maps yet");
-        }
         // A backend's LOCAL flag is a property of its address, so it is decided once for all the
         // frontends that share the backend entry.
         let mut local: BTreeMap<BackendAddr, bool> = BTreeMap::new();
-        for backend in ipv4.iter().flat_map(|(_, spec)| &spec.backends) {
+        for backend in desired.frontends.values().flat_map(|spec| &spec.backends) {
             *local.entry(backend.addr).or_default() |= backend.local;
         }
-        for (frontend, spec) in ipv4 {
+        for (frontend, spec) in &desired.frontends {
             if let Err(error) = self.upsert_frontend(frontend, spec, &local, &mut report.writes) {
                 report.failures.push(Failure { what: format!("Service {} ({frontend})", spec.service), error });
             }
@@ -315,10 +334,11 @@ impl<M: LbMaps> Reconciler<M> {
         local: &BTreeMap<BackendAddr, bool>,
         writes: &mut usize,
     ) -> Result<(), ReconcileError> {
-        let (Some(key0), Some(rev_nat)) = (service_key(frontend, 0), rev_nat_value(frontend)) else {
-            return Ok(());
-        };
+        let (key0, rev_nat) = (service_key(frontend, 0), rev_nat_value(frontend));
         let backends = &spec.backends;
+        if let Some(other) = backends.iter().find(|b| b.addr.addr.is_ipv6() != frontend.addr.is_ipv6()) {
+            return Err(ReconcileError::FamilyMismatch { backend: other.addr });
+        }
         let count = u16::try_from(backends.len())
             .ok()
             .filter(|c| *c < u16::MAX)
@@ -337,7 +357,11 @@ impl<M: LbMaps> Reconciler<M> {
         };
         // The table goes in before the slots and slot 0 that switch to it: new flows from outside
         // see either the old backend set or the new one, never a mix with missing entries.
-        let use_maglev = self.algorithm == LbAlgorithm::Maglev && frontend.scope == Scope::External && count > 0;
+        // The packet path is IPv4 only so far: IPv6 frontends have no use for a table yet.
+        let use_maglev = self.algorithm == LbAlgorithm::Maglev
+            && frontend.scope == Scope::External
+            && frontend.addr.is_ipv4()
+            && count > 0;
         if use_maglev {
             let addrs: Vec<BackendAddr> = backends.iter().map(|b| b.addr).collect();
             let table = self.maglev_table(&addrs, &ids);
@@ -354,7 +378,7 @@ impl<M: LbMaps> Reconciler<M> {
         for (slot, id) in (1..=count).zip(&ids) {
             if applied.slots.get(&slot) != Some(id) {
                 let value = ServiceValue4 { backend_id: *id, ..Default::default() };
-                self.maps.put_service(&ServiceKey4 { backend_slot: slot, ..key0 }, &value)?;
+                self.maps.put_service(&key0.with_slot(slot), &value)?;
                 applied.slots.insert(slot, *id);
                 *writes += 1;
             }
@@ -375,7 +399,7 @@ impl<M: LbMaps> Reconciler<M> {
 
         let surplus: Vec<u16> = applied.slots.range(count + 1..).map(|(slot, _)| *slot).collect();
         for slot in surplus {
-            self.maps.delete_service(&ServiceKey4 { backend_slot: slot, ..key0 })?;
+            self.maps.delete_service(&key0.with_slot(slot))?;
             applied.slots.remove(&slot);
             *writes += 1;
         }
@@ -384,10 +408,7 @@ impl<M: LbMaps> Reconciler<M> {
 
     fn remove_frontend(&mut self, frontend: &Frontend, writes: &mut usize) -> Result<(), ReconcileError> {
         let Some(applied) = self.frontends.get_mut(frontend) else { return Ok(()) };
-        let Some(key0) = service_key(frontend, 0) else {
-            self.frontends.remove(frontend);
-            return Ok(());
-        };
+        let key0 = service_key(frontend, 0);
         // Slot 0 first: from this write on the frontend no longer exists for new connections.
         if applied.slot0.is_some() {
             self.maps.delete_service(&key0)?;
@@ -396,7 +417,7 @@ impl<M: LbMaps> Reconciler<M> {
         }
         let slots: Vec<u16> = applied.slots.keys().copied().collect();
         for slot in slots {
-            self.maps.delete_service(&ServiceKey4 { backend_slot: slot, ..key0 })?;
+            self.maps.delete_service(&key0.with_slot(slot))?;
             applied.slots.remove(&slot);
             *writes += 1;
         }
@@ -411,7 +432,8 @@ impl<M: LbMaps> Reconciler<M> {
         let unused: Vec<BackendId> =
             self.backends_by_id.keys().filter(|id| !referenced.contains(id)).copied().collect();
         for id in unused {
-            match self.maps.delete_backend(id) {
+            let ipv6 = self.backends_by_id.get(&id).is_some_and(BackendValue::is_ipv6);
+            match self.maps.delete_backend(id, ipv6) {
                 Ok(()) => {
                     report.writes += 1;
                     if let Some(addr) = self.backends_by_id.remove(&id).as_ref().and_then(decode_backend) {
@@ -445,7 +467,8 @@ impl<M: LbMaps> Reconciler<M> {
         let owned: BTreeSet<RevNatId> = self.frontends.values().map(|f| f.rev_nat_id).collect();
         let unowned: Vec<RevNatId> = self.rev_nats.keys().filter(|id| !owned.contains(id)).copied().collect();
         for id in unowned {
-            match self.maps.delete_rev_nat(id) {
+            let ipv6 = self.rev_nats.get(&id).is_some_and(RevNatValue::is_ipv6);
+            match self.maps.delete_rev_nat(id, ipv6) {
                 Ok(()) => {
                     report.writes += 1;
                     self.rev_nats.remove(&id);
@@ -460,7 +483,7 @@ impl<M: LbMaps> Reconciler<M> {
     /// The backend's id, writing its entry if it is new or its flags changed (in place: the id
     /// and every slot naming it stay).
     fn ensure_backend(&mut self, backend: &BackendAddr, local: bool, writes: &mut usize) -> Result<BackendId, ReconcileError> {
-        let value = backend_value(backend, local).ok_or(ReconcileError::FamilyMismatch { backend: *backend })?;
+        let value = backend_value(backend, local);
         if let Some(id) = self.backend_ids.get(backend).copied() {
             if self.backends_by_id.get(&id) != Some(&value) {
                 self.maps.put_backend(id, &value)?;

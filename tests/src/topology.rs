@@ -111,12 +111,18 @@ impl Drop for Cgroup {
     }
 }
 
-/// A pod: a namespace with one address on the node's bridge.
+/// A pod: a namespace with one address on the node's bridge (and an IPv6 one once the
+/// topology has IPv6).
 pub struct Pod {
     pub name: String,
     pub ip: String,
+    /// fd00:10:244:1::`host`, after [`Topology::enable_ipv6`].
+    pub ip6: Option<String>,
     pub netns: Netns,
 }
+
+/// The node's IPv6 address on br0 (with [`Topology::enable_ipv6`]), inside the pods' /64.
+pub const NODE_IP6: &str = "fd00:10:244:1::1";
 
 /// A node namespace with a bridge, its pods, and the cgroup whose sockets are load balanced.
 pub struct Topology {
@@ -124,6 +130,8 @@ pub struct Topology {
     pub pods: Vec<Pod>,
     pub cgroup: Cgroup,
     pub node: Netns,
+    /// Pods and br0 also get IPv6 addresses (fd00:10:244:1::/64).
+    pub ipv6: bool,
 }
 
 impl Topology {
@@ -136,7 +144,27 @@ impl Topology {
         node.exec(&["ip", "addr", "add", "10.244.1.1/24", "dev", "br0"])?;
         node.exec(&["ip", "link", "set", "br0", "up"])?;
         let cgroup = Cgroup::create(&format!("{}-{id}", crate::PREFIX))?;
-        Ok(Self { id, pods: Vec::new(), cgroup, node })
+        Ok(Self { id, pods: Vec::new(), cgroup, node, ipv6: false })
+    }
+
+    /// Gives br0 [`NODE_IP6`]/64 and every pod, present and future, fd00:10:244:1::`host`/64 with
+    /// a default route via the node: a dual-stack node. (No duplicate address detection, so the
+    /// addresses work at once.)
+    pub fn enable_ipv6(&mut self) -> anyhow::Result<()> {
+        self.node.exec(&["ip", "-6", "addr", "add", &format!("{NODE_IP6}/64"), "dev", "br0", "nodad"])?;
+        self.ipv6 = true;
+        for pod in &mut self.pods {
+            let host = pod.ip.rsplit('.').next().context("pod address")?.to_owned();
+            pod.ip6 = Some(Self::pod_ipv6(&pod.netns, &host)?);
+        }
+        Ok(())
+    }
+
+    fn pod_ipv6(netns: &Netns, host: &str) -> anyhow::Result<String> {
+        let ip6 = format!("fd00:10:244:1::{host}");
+        netns.exec(&["ip", "-6", "addr", "add", &format!("{ip6}/64"), "dev", "eth0", "nodad"])?;
+        netns.exec(&["ip", "-6", "route", "add", "default", "via", NODE_IP6])?;
+        Ok(ip6)
     }
 
     /// Adds a pod named `name` at 10.244.1.`host`.
@@ -149,7 +177,8 @@ impl Topology {
         netns.exec(&["ip", "addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
         netns.exec(&["ip", "link", "set", "eth0", "up"])?;
         netns.exec(&["ip", "route", "add", "default", "via", "10.244.1.1"])?;
-        self.pods.push(Pod { name: name.to_owned(), ip, netns });
+        let ip6 = if self.ipv6 { Some(Self::pod_ipv6(&netns, &host.to_string())?) } else { None };
+        self.pods.push(Pod { name: name.to_owned(), ip, ip6, netns });
         Ok(self.pods.last().expect("just pushed"))
     }
 
@@ -291,7 +320,7 @@ impl Topology {
             // bound to 0.0.0.0 answers from the route's source).
             netns.exec(&["ip", "route", "add", cidr, "via", "192.168.250.1", "src", &ip])?;
         }
-        self.pods.push(Pod { name: name.to_owned(), ip, netns });
+        self.pods.push(Pod { name: name.to_owned(), ip, ip6: None, netns });
         Ok(self.pods.last().expect("just pushed"))
     }
 }

@@ -30,6 +30,7 @@ pub const DEFAULT_TESTS: &[&str] = &[
     "service_types",
     "tc_packets",
     "nodeport_external",
+    "ipv6",
     "vm_kernel_features",
 ];
 

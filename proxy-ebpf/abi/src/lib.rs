@@ -20,10 +20,16 @@ pub mod map_name {
     pub const IFADDR4: &str = "epx_ifaddr4_v1";
     pub const AFFINITY4: &str = "epx_aff4_v1";
     pub const MAGLEV4: &str = "epx_maglev4_v1";
+    pub const SERVICES6: &str = "epx_svc6_v1";
+    pub const BACKENDS6: &str = "epx_be6_v1";
+    pub const REV_NAT6: &str = "epx_revnat6_v1";
+    pub const REV_SOCK6: &str = "epx_revsk6_v1";
 
     /// Every map the agent owns, in the order `dump` prints them.
-    pub const ALL: [&str; 9] =
-        [SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS, CT4, IFADDR4, AFFINITY4, MAGLEV4];
+    pub const ALL: [&str; 13] = [
+        SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS, CT4, IFADDR4, AFFINITY4, MAGLEV4, SERVICES6, BACKENDS6,
+        REV_NAT6, REV_SOCK6,
+    ];
 }
 
 /// Default capacities; the agent can override each one at load time.
@@ -44,6 +50,11 @@ pub mod capacity {
     /// One Maglev table per external frontend (`--lb-algorithm maglev` only). Not preallocated:
     /// a table takes its memory (`maglev::TABLE_SIZE` × 4 bytes) only once written.
     pub const MAGLEV4: u32 = 16_384;
+    /// The IPv6 maps: as their IPv4 counterparts (`--map-size-*` sets both families).
+    pub const SERVICES6: u32 = SERVICES4;
+    pub const BACKENDS6: u32 = BACKENDS4;
+    pub const REV_NAT6: u32 = REV_NAT4;
+    pub const REV_SOCK6: u32 = REV_SOCK4;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -159,6 +170,71 @@ pub struct RevSock4 {
     pub rev_nat_id: u16,
 }
 const _: () = assert!(size_of::<RevSock4>() == 8);
+
+/// Key of the IPv6 service map (`epx_svc6_v1`): as [`ServiceKey4`] with a 128-bit address. Its
+/// value is a [`ServiceValue4`] (the layout does not depend on the family; backend ids and
+/// reverse-NAT ids are shared by both families).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey6 {
+    /// The address in network byte order, as `bpf_sock_addr::user_ip6`.
+    pub addr: [u32; 4],
+    pub port_be: u16,
+    pub backend_slot: u16,
+    pub proto: u8,
+    pub scope: u8,
+    pub pad: [u8; 2],
+}
+const _: () = assert!(size_of::<ServiceKey6>() == 24);
+
+impl ServiceKey6 {
+    pub const fn new(addr: [u32; 4], port_be: u16, proto: u8, scope: u8, backend_slot: u16) -> Self {
+        Self { addr, port_be, backend_slot, proto, scope, pad: [0; 2] }
+    }
+}
+
+/// Value of the IPv6 backend map (`epx_be6_v1`), keyed by a [`BackendId`] from the same id space
+/// as the IPv4 backends.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Backend6 {
+    pub addr: [u32; 4],
+    pub port_be: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+const _: () = assert!(size_of::<Backend6>() == 20);
+
+/// Value of the IPv6 reverse-NAT map (`epx_revnat6_v1`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct RevNat6 {
+    pub addr: [u32; 4],
+    pub port_be: u16,
+    pub pad: [u8; 2],
+}
+const _: () = assert!(size_of::<RevNat6>() == 20);
+
+/// Key of the IPv6 socket reverse-translation LRU (`epx_revsk6_v1`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct RevSockKey6 {
+    pub cookie: u64,
+    pub addr: [u32; 4],
+    pub port_be: u16,
+    pub pad: [u8; 6],
+}
+const _: () = assert!(size_of::<RevSockKey6>() == 32);
+
+/// Value of the IPv6 socket reverse-translation LRU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct RevSock6 {
+    pub addr: [u32; 4],
+    pub port_be: u16,
+    pub rev_nat_id: u16,
+}
+const _: () = assert!(size_of::<RevSock6>() == 20);
 
 /// Indices of the per-CPU counters array: one per verdict of the socket hooks.
 pub mod stat {
@@ -429,4 +505,9 @@ mod pod {
     unsafe impl aya::Pod for AffinityKey4 {}
     unsafe impl aya::Pod for AffinityValue4 {}
     unsafe impl aya::Pod for MaglevTable4 {}
+    unsafe impl aya::Pod for ServiceKey6 {}
+    unsafe impl aya::Pod for Backend6 {}
+    unsafe impl aya::Pod for RevNat6 {}
+    unsafe impl aya::Pod for RevSockKey6 {}
+    unsafe impl aya::Pod for RevSock6 {}
 }

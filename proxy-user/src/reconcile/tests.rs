@@ -36,16 +36,16 @@ fn desired(entries: &[(Frontend, Vec<BackendAddr>)]) -> DesiredState {
 /// What the maps must hold for `desired`, independent of ids: frontend -> backend addresses.
 fn observed(maps: &FakeMaps) -> BTreeMap<Frontend, Vec<BackendAddr>> {
     let mut out = BTreeMap::new();
-    for (key, value) in maps.services.iter().filter(|(k, _)| k.backend_slot == 0) {
+    for (key, value) in maps.services.iter().filter(|(k, _)| k.slot() == 0) {
         let frontend = decode_frontend(key).unwrap();
         let mut backends = Vec::new();
         for slot in 1..=value.count {
-            let id = maps.services[&ServiceKey4 { backend_slot: slot, ..*key }].backend_id;
+            let id = maps.services[&key.with_slot(slot)].backend_id;
             backends.push(decode_backend(&maps.backends[&id]).unwrap());
         }
         backends.sort();
         let rev = maps.rev_nats[&value.rev_nat_id];
-        assert_eq!(Some(rev), rev_nat_value(&frontend));
+        assert_eq!(rev, rev_nat_value(&frontend));
         out.insert(frontend, backends);
     }
     out
@@ -84,7 +84,7 @@ fn no_endpoints_programs_a_frontend_with_zero_count() {
     let svc = frontend(11, 80, Proto::Tcp);
     let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
     reconciler.reconcile(&desired(&[(svc, vec![])]));
-    let slot0 = reconciler.maps().services[&service_key(&svc, 0).unwrap()];
+    let slot0 = reconciler.maps().services[&service_key(&svc, 0)];
     assert_eq!(slot0.count, 0, "the kernel must find the frontend to refuse it");
 }
 
@@ -205,10 +205,10 @@ fn random_sequences_with_injected_failures_stay_consistent_and_converge() {
         assert!(reconciler.maps.backends.keys().all(|id| referenced.contains(id)), "round {round}: leaked backend");
         for value in reconciler.maps.backends.values() {
             let local = decode_backend(value).unwrap().addr == IpAddr::V4(Ipv4Addr::new(10, 244, 1, 1));
-            assert_eq!(value.flags, if local { backend_flags::LOCAL } else { 0 }, "round {round}: backend flags");
+            assert_eq!(backend_flags_of(value), if local { backend_flags::LOCAL } else { 0 }, "round {round}: backend flags");
         }
         for (frontend, spec) in &state.frontends {
-            let value = reconciler.maps.services[&service_key(frontend, 0).unwrap()];
+            let value = reconciler.maps.services[&service_key(frontend, 0)];
             assert_eq!(value, slot0_value(spec, value.count, value.rev_nat_id, false), "round {round}: slot 0 of {frontend}");
         }
         let addresses: BTreeSet<_> = state.frontends.keys().map(|f| (f.addr, f.port, f.proto)).collect();
@@ -218,7 +218,7 @@ fn random_sequences_with_injected_failures_stay_consistent_and_converge() {
 }
 
 fn slot0(maps: &FakeMaps, frontend: &Frontend) -> ServiceValue4 {
-    maps.services[&service_key(frontend, 0).unwrap()]
+    maps.services[&service_key(frontend, 0)]
 }
 
 #[test]
@@ -262,7 +262,7 @@ fn a_backend_that_becomes_local_is_updated_in_place_keeping_its_id() {
     state.frontends.get_mut(&a).unwrap().backends[0].local = true;
     let report = reconciler.reconcile(&state);
     assert_eq!(report.writes, 1, "{report:?}");
-    assert_eq!(reconciler.maps().backends[&ids[0]].flags, backend_flags::LOCAL);
+    assert_eq!(backend_flags_of(&reconciler.maps().backends[&ids[0]]), backend_flags::LOCAL);
     assert_eq!(reconciler.reconcile(&state).writes, 0, "stable");
 }
 
@@ -281,7 +281,7 @@ fn both_scopes_of_a_frontend_share_one_reverse_nat_id() {
 }
 
 #[test]
-fn ipv6_frontends_are_skipped_without_error_until_ipv6_maps_exist() {
+fn ipv6_frontends_go_to_the_ipv6_maps_sharing_the_id_spaces_with_ipv4() {
     let v4 = frontend(10, 80, Proto::Tcp);
     let v6 = Frontend { addr: "fd00::10".parse().unwrap(), ..v4 };
     let v6_backend = BackendAddr { addr: "fd00:10:244::5".parse().unwrap(), port: 8080, proto: Proto::Tcp };
@@ -289,13 +289,41 @@ fn ipv6_frontends_are_skipped_without_error_until_ipv6_maps_exist() {
     let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
     let report = reconciler.reconcile(&state);
     assert!(report.failures.is_empty(), "{:?}", report.failures);
-    assert_eq!(report.writes, 4, "only the IPv4 frontend: backend, slot, rev-NAT, slot 0");
+    assert_eq!(report.writes, 8, "both frontends: backend, slot, rev-NAT, slot 0 each");
+    assert!(reconciler.maps().violations.is_empty(), "{:?}", reconciler.maps().violations);
+    assert_eq!(observed(reconciler.maps()), expected(&state));
+    let SvcKey::V6(key) = service_key(&v6, 0) else { panic!("an IPv6 frontend must have an IPv6 key") };
+    assert_eq!(key.addr, ipv6_words("fd00::10".parse().unwrap()));
+    assert_ne!(reconciler.rev_nat_id(&v4), reconciler.rev_nat_id(&v6), "one id space");
     assert_eq!(reconciler.reconcile(&state).writes, 0);
+
+    // A restart re-learns both families; removing the IPv6 frontend deletes from the IPv6 maps.
+    let mut restarted = Reconciler::adopt(reconciler.maps().clone()).unwrap();
+    assert_eq!(restarted.reconcile(&state).writes, 0);
+    let only_v4 = desired(&[(v4, vec![backend(1, 8080, Proto::Tcp)])]);
+    assert!(restarted.reconcile(&only_v4).failures.is_empty());
+    let maps = restarted.maps();
+    assert!(maps.backends.values().all(|b| !b.is_ipv6()) && maps.rev_nats.values().all(|r| !r.is_ipv6()), "{maps:?}");
+    assert_eq!(observed(maps), expected(&only_v4));
+}
+
+#[test]
+fn a_backend_of_the_other_family_fails_only_its_frontend() {
+    let v4 = frontend(10, 80, Proto::Tcp);
+    let good = frontend(11, 80, Proto::Tcp);
+    let v6_backend = BackendAddr { addr: "fd00:10:244::5".parse().unwrap(), port: 8080, proto: Proto::Tcp };
+    let state = desired(&[(v4, vec![v6_backend]), (good, vec![backend(1, 8080, Proto::Tcp)])]);
+    let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
+    let report = reconciler.reconcile(&state);
+    assert_eq!(report.failures.len(), 1, "{:?}", report.failures);
+    assert!(matches!(report.failures[0].error, ReconcileError::FamilyMismatch { .. }), "{:?}", report.failures);
+    assert!(report.failures[0].what.contains("10.96.0.10"), "{:?}", report.failures);
+    assert_eq!(observed(reconciler.maps()).len(), 1);
 }
 
 /// The Maglev table of an external frontend, as backend addresses.
 fn maglev_by_addr(maps: &FakeMaps, frontend: &Frontend) -> Vec<BackendAddr> {
-    let slot0 = maps.services[&service_key(frontend, 0).unwrap()];
+    let slot0 = maps.services[&service_key(frontend, 0)];
     assert_ne!(slot0.flags & svc_flags::MAGLEV, 0, "{frontend} is not marked for Maglev");
     maps.maglev[&slot0.rev_nat_id].iter().map(|id| decode_backend(&maps.backends[id]).unwrap()).collect()
 }
@@ -313,7 +341,7 @@ fn maglev_tables_go_to_external_frontends_and_name_only_their_backends() {
     let maps = reconciler.maps();
     assert!(maps.violations.is_empty(), "{:?}", maps.violations);
     assert_eq!(maps.maglev.len(), 1, "one table: the external frontend with backends");
-    let internal_slot0 = maps.services[&service_key(&internal, 0).unwrap()];
+    let internal_slot0 = maps.services[&service_key(&internal, 0)];
     assert_eq!(internal_slot0.flags & svc_flags::MAGLEV, 0, "socket hooks pick at random");
     let table = maglev_by_addr(maps, &external);
     assert_eq!(table.len(), proxy_abi::maglev::TABLE_SIZE as usize);
@@ -367,7 +395,7 @@ fn switching_algorithms_keeps_the_frontend_and_drops_or_rebuilds_its_table() {
     let report = random.reconcile(&state);
     assert!(report.failures.is_empty(), "{:?}", report.failures);
     assert_eq!(report.writes, 2, "slot 0 and the table");
-    let slot0 = random.maps().services[&service_key(&external, 0).unwrap()];
+    let slot0 = random.maps().services[&service_key(&external, 0)];
     assert_eq!(slot0.flags & svc_flags::MAGLEV, 0);
     assert!(random.maps().maglev.is_empty());
     assert!(random.maps().violations.is_empty(), "{:?}", random.maps().violations);

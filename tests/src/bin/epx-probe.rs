@@ -73,7 +73,7 @@ struct ConnectedUdp {
 
 fn udp_connected(to: SocketAddr, interval: Duration, duration: Duration) -> ConnectedUdp {
     let connect = || -> std::io::Result<UdpSocket> {
-        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        let socket = udp_client_socket(to, 0)?;
         socket.set_read_timeout(Some(Duration::from_millis(500)))?;
         socket.connect(to)?;
         Ok(socket)
@@ -134,10 +134,18 @@ fn error_name(error: &std::io::Error) -> String {
     }
 }
 
+/// Binds `[::]:port` (IPv4 and IPv6 on one socket, Linux's default), or `0.0.0.0:port` where
+/// the namespace has no IPv6.
+fn bind_any<T>(port: u16, bind: impl Fn(SocketAddr) -> std::io::Result<T>) -> T {
+    bind(SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port)))
+        .or_else(|_| bind(SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, port))))
+        .unwrap_or_else(|e| panic!("bind port {port}: {e}"))
+}
+
 fn serve(name: String, tcp: Vec<u16>, udp: Vec<u16>, tcp_peer: Vec<u16>) -> ! {
     let ports = tcp.into_iter().map(|p| (p, false)).chain(tcp_peer.into_iter().map(|p| (p, true)));
     for (port, tell_peer) in ports {
-        let listener = TcpListener::bind(("0.0.0.0", port)).expect("bind tcp");
+        let listener = bind_any(port, TcpListener::bind);
         let name = name.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -145,7 +153,8 @@ fn serve(name: String, tcp: Vec<u16>, udp: Vec<u16>, tcp_peer: Vec<u16>) -> ! {
                 std::thread::spawn(move || {
                     let mut stream = stream;
                     let answer = match stream.peer_addr() {
-                        Ok(peer) if tell_peer => format!("{name} from {}", peer.ip()),
+                        // An IPv4 client on the dual-stack socket shows as ::ffff:a.b.c.d.
+                        Ok(peer) if tell_peer => format!("{name} from {}", peer.ip().to_canonical()),
                         _ => name,
                     };
                     let _ = stream.write_all(format!("{answer}\n").as_bytes());
@@ -161,7 +170,7 @@ fn serve(name: String, tcp: Vec<u16>, udp: Vec<u16>, tcp_peer: Vec<u16>) -> ! {
         });
     }
     for port in udp {
-        let socket = UdpSocket::bind(("0.0.0.0", port)).expect("bind udp");
+        let socket = bind_any(port, UdpSocket::bind);
         let name = name.clone();
         std::thread::spawn(move || {
             let mut buf = [0u8; 2048];
@@ -193,12 +202,21 @@ fn tcp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
     Ok(line.trim().to_owned())
 }
 
+/// A UDP socket of `to`'s family, bound to `source_port` (0: any).
+fn udp_client_socket(to: SocketAddr, source_port: u16) -> std::io::Result<UdpSocket> {
+    if to.is_ipv6() {
+        UdpSocket::bind((std::net::Ipv6Addr::UNSPECIFIED, source_port))
+    } else {
+        UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, source_port))
+    }
+}
+
 fn udp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
     udp_once_from(0, to, timeout)
 }
 
 fn udp_once_from(source_port: u16, to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
-    let socket = UdpSocket::bind(("0.0.0.0", source_port))?;
+    let socket = udp_client_socket(to, source_port)?;
     socket.set_read_timeout(Some(timeout))?;
     socket.send_to(b"ping", to)?;
     let mut buf = [0u8; 2048];

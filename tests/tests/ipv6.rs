@@ -1,0 +1,199 @@
+//! IPv6 and dual-stack through the socket-level datapath: a dual-stack node (br0 with
+//! 10.244.1.1 and fd00:10:244:1::1), pods with both families, and a Service with a ClusterIP of
+//! each family, served by EndpointSlices of each address type. The agent runs in the node
+//! namespace, so the node's IPv6 address gets NodePorts too.
+
+use std::time::{Duration, Instant};
+
+use e2e::agent::{Agent, AgentDir};
+use e2e::probe::{self, Server, Summary};
+use e2e::topology::{Topology, NODE_IP6};
+
+const VIP4: &str = "10.96.0.10";
+const VIP6: &str = "fd00:96::10";
+const ONLY6_VIP: &str = "fd00:96::20";
+const EMPTY6_VIP: &str = "fd00:96::30";
+const NODE_PORT: u16 = 30091;
+
+fn slice(service: &str, name: &str, address_type: &str, addresses: &[&str]) -> String {
+    let endpoints: String = addresses.iter().map(|ip| format!("\n- {{addresses: [\"{ip}\"], nodeName: node-1}}")).collect();
+    format!(
+        r#"---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}, namespace: demo, labels: {{kubernetes.io/service-name: {service}}}}}
+addressType: {address_type}
+endpoints:{endpoints}
+ports:
+- {{name: http, port: 8080, protocol: TCP}}
+- {{name: dns, port: 5353, protocol: UDP}}
+"#
+    )
+}
+
+/// `web`: dual-stack NodePort (IPv4 and IPv6 ClusterIPs); `only6`: single-stack IPv6;
+/// `empty6`: IPv6 without endpoints. be1 and be2 behind each, in both families.
+fn manifest(v6_backends: &[&str]) -> String {
+    let services = format!(
+        r#"---
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: demo}}
+spec:
+  type: NodePort
+  ipFamilyPolicy: RequireDualStack
+  ipFamilies: [IPv4, IPv6]
+  clusterIP: {VIP4}
+  clusterIPs: [{VIP4}, "{VIP6}"]
+  ports:
+  - {{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: {NODE_PORT}}}
+  - {{name: dns, port: 53, targetPort: 5353, protocol: UDP, nodePort: {NODE_PORT}}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: only6, namespace: demo}}
+spec:
+  ipFamilies: [IPv6]
+  clusterIP: "{ONLY6_VIP}"
+  clusterIPs: ["{ONLY6_VIP}"]
+  ports:
+  - {{name: http, port: 80, targetPort: 8080, protocol: TCP}}
+  - {{name: dns, port: 53, targetPort: 5353, protocol: UDP}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: empty6, namespace: demo}}
+spec:
+  ipFamilies: [IPv6]
+  clusterIP: "{EMPTY6_VIP}"
+  clusterIPs: ["{EMPTY6_VIP}"]
+  ports: [{{name: http, port: 80, protocol: TCP}}]
+"#
+    );
+    [
+        services,
+        slice("web", "web-v4", "IPv4", &["10.244.1.11", "10.244.1.12"]),
+        slice("web", "web-v6", "IPv6", v6_backends),
+        slice("only6", "only6-v6", "IPv6", v6_backends),
+    ]
+    .concat()
+}
+
+const BE1_6: &str = "fd00:10:244:1::11";
+const BE2_6: &str = "fd00:10:244:1::12";
+
+struct Env {
+    agent: Agent,
+    dir: AgentDir,
+    _servers: Vec<Server>,
+    topo: Topology,
+}
+
+impl Env {
+    fn new() -> Self {
+        let mut topo = Topology::new().expect("topology");
+        topo.enable_ipv6().expect("IPv6 on the node");
+        topo.add_pod("client", 2).expect("client pod");
+        topo.add_pod("be1", 11).expect("be1 pod");
+        topo.add_pod("be2", 12).expect("be2 pod");
+        assert_eq!(topo.pod("be1").ip6.as_deref(), Some(BE1_6));
+        let servers = vec![
+            probe::serve(&topo, "be1", "be1", &[8080], &[5353]).expect("be1 server"),
+            probe::serve(&topo, "be2", "be2", &[8080], &[5353]).expect("be2 server"),
+        ];
+        let dir = AgentDir::new(&topo.id).expect("agent dir");
+        dir.write_manifest(&manifest(&[BE1_6, BE2_6])).expect("manifest");
+        let agent = Agent::start_file_in_node(&topo, &dir, &[]).expect("agent in the node namespace");
+        Self { agent, dir, _servers: servers, topo }
+    }
+
+    fn probe(&self, kind: &str, to: &str, count: u32) -> Summary {
+        probe::client(&self.topo, "client", kind, to, count).expect("probe")
+    }
+
+    /// The dump's entries for `ip:port/PROTO`, one per scope.
+    fn entries(&self, ip: &str, port: u16, protocol: &str) -> Vec<serde_json::Value> {
+        let dump = self.agent.dump().expect("dump");
+        dump["services"]
+            .as_array()
+            .expect("services")
+            .iter()
+            .filter(|s| s["ip"] == ip && s["port"] == port && s["protocol"] == protocol)
+            .cloned()
+            .collect()
+    }
+}
+
+fn assert_spread(summary: &Summary, count: u32) {
+    assert_eq!((summary.ok, summary.failed), (count, 0), "{summary:?}");
+    assert!(summary.answered_by("be1") >= count / 5 && summary.answered_by("be2") >= count / 5, "{summary:?}");
+}
+
+#[test]
+fn a_dual_stack_service_serves_pods_over_both_families_tcp_and_udp() {
+    let env = Env::new();
+    for (ip, family) in [(VIP4, "IPv4"), (VIP6, "IPv6")] {
+        let entries = env.entries(ip, 80, "TCP");
+        assert_eq!(entries.len(), 2, "{family} ClusterIP, both scopes: {entries:#?}");
+        let backends: Vec<&str> = entries[0]["backends"].as_array().unwrap().iter().map(|b| b["ip"].as_str().unwrap()).collect();
+        let expected = if family == "IPv4" { ["10.244.1.11", "10.244.1.12"] } else { [BE1_6, BE2_6] };
+        assert_eq!(backends.len(), 2, "{entries:#?}");
+        assert!(expected.iter().all(|e| backends.contains(e)), "{family} endpoints only: {backends:?}");
+    }
+    // epx-probe fails any answer whose source (UDP) or getpeername (TCP) is not the Service.
+    assert_spread(&env.probe("tcp", &format!("[{VIP6}]:80"), 60), 60);
+    assert_spread(&env.probe("udp", &format!("[{VIP6}]:53"), 60), 60);
+    assert_spread(&env.probe("tcp", &format!("{VIP4}:80"), 60), 60);
+    assert_spread(&env.probe("udp", &format!("[{ONLY6_VIP}]:53"), 60), 60);
+    assert_spread(&env.probe("tcp", &format!("[{ONLY6_VIP}]:80"), 60), 60);
+    // An IPv6 frontend without endpoints refuses at once, as an IPv4 one does.
+    let refused = env.probe("tcp", &format!("[{EMPTY6_VIP}]:80"), 5);
+    assert_eq!(refused.errors_of("ECONNREFUSED"), 5, "{refused:?}");
+    let dump = env.agent.dump().expect("dump");
+    assert!(dump["counters"]["sock_xlate"].as_u64().unwrap_or(0) >= 300, "{:#}", dump["counters"]);
+}
+
+#[test]
+fn an_ipv6_socket_reaching_an_ipv4_service_through_a_mapped_address_is_balanced() {
+    let env = Env::new();
+    // A dual-stack application (AF_INET6 socket) connecting to ::ffff:10.96.0.10.
+    assert_spread(&env.probe("tcp", &format!("[::ffff:{VIP4}]:80"), 60), 60);
+}
+
+#[test]
+fn the_node_ipv6_address_gets_node_ports_for_tcp_and_udp() {
+    let env = Env::new();
+    assert_eq!(env.entries(NODE_IP6, NODE_PORT, "TCP").len(), 2, "{:#}", env.agent.dump().unwrap()["services"]);
+    assert!(env.entries(NODE_IP6, NODE_PORT, "TCP").iter().all(|e| e["kind"] == "NodePort"));
+    assert_spread(&env.probe("tcp", &format!("[{NODE_IP6}]:{NODE_PORT}"), 60), 60);
+    assert_spread(&env.probe("udp", &format!("[{NODE_IP6}]:{NODE_PORT}"), 60), 60);
+}
+
+#[test]
+fn ipv6_services_survive_an_agent_crash_and_follow_endpoint_changes_after_the_restart() {
+    let mut env = Env::new();
+    let vip = format!("[{VIP6}]:80");
+    env.agent.kill().expect("kill");
+    // Pinned links and maps: the kernel keeps serving without the agent.
+    assert_spread(&env.probe("tcp", &vip, 40), 40);
+    env.agent.restart().expect("restart");
+    // "synced ... writes=N": the first start programmed both families, the restart wrote nothing.
+    let log = env.agent.log_text();
+    let writes: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains(" synced "))
+        .filter_map(|l| l.split("writes=").nth(1)?.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert!(writes.len() == 2 && writes[0] > 0 && writes[1] == 0, "{writes:?}\n{log}");
+    // be2 leaves the IPv6 slices: new connections go to be1 only.
+    env.dir.write_manifest(&manifest(&[BE1_6])).expect("manifest");
+    let started = Instant::now();
+    while env.entries(VIP6, 80, "TCP").iter().any(|e| e["backends"].as_array().map_or(0, Vec::len) != 1) {
+        assert!(started.elapsed() < Duration::from_secs(5), "endpoint change not applied:\n{}", env.agent.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let summary = env.probe("tcp", &vip, 40);
+    assert_eq!((summary.ok, summary.answered_by("be1")), (40, 40), "{summary:?}");
+    // The IPv4 side of the same Service still has both.
+    assert_spread(&env.probe("tcp", &format!("{VIP4}:80"), 40), 40);
+}
