@@ -7,7 +7,7 @@
 //! when an entry is used: an expired entry counts as no entry.
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
-use proxy_abi::{ct, CtEntry4, CtKey4, IPPROTO_TCP};
+use proxy_abi::{ct, CtEntry4, CtEntry6, CtKey4, CtKey6, IPPROTO_TCP};
 
 use crate::maps::CT4;
 use crate::packet::{Flow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
@@ -52,6 +52,11 @@ fn timeout_ns(proto: u8, tcp_seen: u8) -> u64 {
 
 #[inline(always)]
 pub fn is_expired(entry: &CtEntry4, proto: u8, now: u64) -> bool {
+    now.wrapping_sub(entry.last_seen_ns) > timeout_ns(proto, entry.tcp_seen)
+}
+
+#[inline(always)]
+pub fn is_expired6(entry: &CtEntry6, proto: u8, now: u64) -> bool {
     now.wrapping_sub(entry.last_seen_ns) > timeout_ns(proto, entry.tcp_seen)
 }
 
@@ -106,4 +111,19 @@ pub fn record(flow: &Flow, entry: &CtEntry4) -> Result<(), ()> {
         return Err(());
     }
     Ok(())
+}
+
+/// [`reply_key_of`] for IPv6.
+#[inline(always)]
+pub fn reply_key_of6(entry: &CtEntry6, proto: u8, client_addr: [u32; 4], client_port_be: u16) -> CtKey6 {
+    let snat = entry.nat & ct::NAT_SNAT != 0;
+    CtKey6 {
+        saddr: entry.backend_addr,
+        daddr: if snat { entry.snat_addr } else { client_addr },
+        sport_be: entry.backend_port_be,
+        dport_be: if snat { entry.snat_port_be } else { client_port_be },
+        proto,
+        dir: ct::DIR_REPLY,
+        pad: [0; 2],
+    }
 }

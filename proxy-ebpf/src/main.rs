@@ -8,10 +8,12 @@ mod ct;
 mod affinity;
 mod maps;
 mod packet;
+mod packet6;
 mod reject;
 mod route;
 mod sock;
 mod tc;
+mod tc6;
 
 /// Rotation applied to random slot picks: 0, except in the build xtask makes with
 /// `EPX_EBPF_VARIANT` set, whose connect/sendmsg programs then differ in code (not in behaviour:

@@ -7,7 +7,7 @@ use aya_ebpf::{
     maps::{HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_abi::{
-    capacity, stat, AffinityKey4, AffinityValue4, Backend4, BackendId, Backend6, CtEntry4, CtKey4, IfAddr4, MaglevTable4, RevNat4, RevNat6, RevSock6, RevSockKey6, ServiceKey6, RevNatId, RevSock4,
+    capacity, stat, AffinityKey4, AffinityValue4, Backend4, BackendId, Backend6, CtEntry4, CtEntry6, CtKey4, CtKey6, IfAddr6, IfAddr4, MaglevTable4, RevNat4, RevNat6, RevSock6, RevSockKey6, ServiceKey6, RevNatId, RevSock4,
     RevSockKey4, ServiceKey4, ServiceValue4,
 };
 
@@ -59,6 +59,14 @@ pub static IFADDR4: HashMap<u32, IfAddr4> = HashMap::pinned(capacity::IFADDR4, 0
 /// frontends of an agent running `--lb-algorithm maglev` have one.
 #[map(name = "epx_maglev4_v1")]
 pub static MAGLEV4: HashMap<u32, MaglevTable4> = HashMap::pinned(capacity::MAGLEV4, BPF_F_NO_PREALLOC);
+
+/// The IPv6 connection tracking (as `epx_ct4_v1`).
+#[map(name = "epx_ct6_v1")]
+pub static CT6: LruHashMap<CtKey6, CtEntry6> = LruHashMap::pinned(capacity::CT6, 0);
+
+/// ifindex -> that interface's (first global) IPv6 address, written by the agent when it attaches.
+#[map(name = "epx_ifaddr6_v1")]
+pub static IFADDR6: HashMap<u32, IfAddr6> = HashMap::pinned(capacity::IFADDR6, 0);
 
 #[inline(always)]
 pub fn count(index: u32) {

@@ -8,7 +8,9 @@
 
 use aya_ebpf::{
     bindings::TC_ACT_REDIRECT,
-    helpers::{bpf_redirect, bpf_skb_change_tail},
+    helpers::{bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes},
+    macros::map,
+    maps::PerCpuArray,
     programs::TcContext,
 };
 
@@ -68,6 +70,79 @@ pub fn port_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, NoReply> {
     ctx.store(0, &reply, 0).map_err(|_| NoReply)?;
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     // From tc ingress, a redirect without BPF_F_INGRESS transmits on the device's egress.
+    let verdict = unsafe { bpf_redirect(ifindex, 0) } as i32;
+    if verdict != TC_ACT_REDIRECT as i32 {
+        return Err(NoReply);
+    }
+    Ok(verdict)
+}
+
+const IPV6_HLEN: usize = 40;
+const ICMPV6_HLEN: usize = 8;
+/// The offending packet's IPv6 header and its first 8 bytes of payload.
+const QUOTE6_LEN: usize = IPV6_HLEN + 8;
+const ICMPV6_LEN: usize = ICMPV6_HLEN + QUOTE6_LEN;
+const REPLY6_LEN: usize = ETH_HLEN + IPV6_HLEN + ICMPV6_LEN;
+const IPPROTO_ICMPV6: u8 = 58;
+const ICMPV6_DEST_UNREACH: u8 = 1;
+const ICMPV6_PORT_UNREACH: u8 = 4;
+
+/// Scratch space for the quoted packet of an IPv6 reply: next to the IPv6 path, the BPF stack
+/// has no room for it.
+#[map(name = "epx_scratch")]
+static SCRATCH: PerCpuArray<[u8; QUOTE6_LEN]> = PerCpuArray::with_max_entries(1, 0);
+
+/// [`port_unreachable`] for IPv6: an ICMPv6 destination unreachable (port unreachable) from the
+/// frontend to the client. Only for packets without extension headers.
+#[inline(never)]
+pub fn port_unreachable6(ctx: &TcContext, l4_off: usize) -> Result<i32, NoReply> {
+    if l4_off != ETH_HLEN + IPV6_HLEN {
+        return Err(NoReply);
+    }
+    let scratch = SCRATCH.get_ptr_mut(0).ok_or(NoReply)?;
+    // The quote (the packet's IPv6 header and 8 bytes of L4), straight into the scratch slot.
+    // SAFETY: a QUOTE6_LEN-byte destination of this CPU's slot; nothing else runs on it meanwhile.
+    if unsafe { bpf_skb_load_bytes(ctx.skb.skb.cast(), ETH_HLEN as u32, scratch.cast(), QUOTE6_LEN as u32) } != 0 {
+        return Err(NoReply);
+    }
+    let quote: &[u8; QUOTE6_LEN] = unsafe { &*scratch };
+    let macs: [u8; 12] = ctx.load(0).map_err(|_| NoReply)?;
+    let client: [u8; 16] = ctx.load(ETH_HLEN + 8).map_err(|_| NoReply)?;
+    let frontend: [u8; 16] = ctx.load(ETH_HLEN + 24).map_err(|_| NoReply)?;
+
+    let mut eth = [0u8; ETH_HLEN];
+    eth[0..6].copy_from_slice(&macs[6..12]);
+    eth[6..12].copy_from_slice(&macs[0..6]);
+    eth[12] = 0x86;
+    eth[13] = 0xdd;
+    // Version, traffic class and flow label; payload length; next header; hop limit.
+    let mut ip_head = [0x60u8, 0, 0, 0, 0, 0, IPPROTO_ICMPV6, 64];
+    ip_head[4..6].copy_from_slice(&(ICMPV6_LEN as u16).to_be_bytes());
+    let mut icmp_head = [ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH, 0, 0, 0, 0, 0, 0];
+    // The checksum covers a pseudo-header (both addresses, the length, the next header), the
+    // ICMPv6 header and the quote. The reply goes from the frontend to the client.
+    let mut sum = csum_add(csum_add(0, &frontend), &client);
+    sum += ICMPV6_LEN as u32 + u32::from(IPPROTO_ICMPV6);
+    sum = csum_add(csum_add(sum, &icmp_head), quote);
+    let icmp_csum = csum_finish(sum);
+    icmp_head[2] = icmp_csum[0];
+    icmp_head[3] = icmp_csum[1];
+
+    // SAFETY: the skb pointer is the program's own context.
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb, REPLY6_LEN as u32, 0) } != 0 {
+        return Err(NoReply);
+    }
+    let ip = ETH_HLEN;
+    let icmp = ip + IPV6_HLEN;
+    let stored = ctx
+        .store(0, &eth, 0)
+        .and_then(|()| ctx.store(ip, &ip_head, 0))
+        .and_then(|()| ctx.store(ip + 8, &frontend, 0))
+        .and_then(|()| ctx.store(ip + 24, &client, 0))
+        .and_then(|()| ctx.store(icmp, &icmp_head, 0))
+        .and_then(|()| ctx.store(icmp + ICMPV6_HLEN, quote, 0));
+    stored.map_err(|_| NoReply)?;
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     let verdict = unsafe { bpf_redirect(ifindex, 0) } as i32;
     if verdict != TC_ACT_REDIRECT as i32 {
         return Err(NoReply);

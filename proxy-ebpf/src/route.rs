@@ -16,6 +16,7 @@ use aya_ebpf::{
 };
 
 const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
 
 /// The route lookup failed (no route, forwarding disabled, too big): the caller drops.
 pub struct NoRoute;
@@ -31,10 +32,28 @@ pub fn redirect(ctx: &TcContext, proto: u8, saddr_be: u32, daddr_be: u32) -> Res
     params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
     params.__bindgen_anon_3.ipv4_src = saddr_be;
     params.__bindgen_anon_4.ipv4_dst = daddr_be;
+    lookup_and_redirect(ctx, &mut params)
+}
+
+/// [`redirect`] for IPv6.
+#[inline(always)]
+pub fn redirect6(ctx: &TcContext, proto: u8, saddr: &[u32; 4], daddr: &[u32; 4]) -> Result<i32, NoRoute> {
+    // SAFETY: as in `redirect`.
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    params.family = AF_INET6;
+    params.l4_protocol = proto;
+    params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    params.__bindgen_anon_3.ipv6_src = *saddr;
+    params.__bindgen_anon_4.ipv6_dst = *daddr;
+    lookup_and_redirect(ctx, &mut params)
+}
+
+#[inline(always)]
+fn lookup_and_redirect(ctx: &TcContext, params: &mut bpf_fib_lookup) -> Result<i32, NoRoute> {
     let rc = unsafe {
         fib_lookup(
             ctx.skb.skb.cast(),
-            &mut params,
+            params,
             core::mem::size_of::<bpf_fib_lookup>() as i32,
             0,
         )

@@ -18,7 +18,7 @@
 //! A new flow's backend comes from, in order: session affinity, the frontend's Maglev table
 //! (`--lb-algorithm maglev`), a random slot.
 //!
-//! Not built yet: IPv6.
+//! IPv6 frames are handed to `tc6`, which does the same with the IPv6 maps.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -45,12 +45,23 @@ const DROP: i32 = TC_ACT_SHOT as i32;
 
 #[classifier]
 pub fn epx_tc_ingress(ctx: TcContext) -> i32 {
+    if is_ipv6(&ctx) {
+        return crate::tc6::ingress6(&ctx);
+    }
     ingress(&ctx)
 }
 
 #[classifier]
 pub fn epx_tc_egress(ctx: TcContext) -> i32 {
+    if is_ipv6(&ctx) {
+        return crate::tc6::egress6(&ctx);
+    }
     egress(&ctx)
+}
+
+#[inline(always)]
+fn is_ipv6(ctx: &TcContext) -> bool {
+    ctx.load::<u16>(12).is_ok_and(|ethertype| u16::from_be(ethertype) == crate::packet6::ETH_P_IPV6)
 }
 
 /// The verdict for a packet that is not a TCP/UDP flow (nor an ICMP error about one): it
@@ -72,7 +83,9 @@ struct Target {
     snat: Option<(u32, u16)>,
 }
 
-#[inline(always)]
+// Not inlined, like `tc6::ingress6`: each family's path gets its own stack frame (both
+// inlined into one program exceed BPF's 512-byte stack).
+#[inline(never)]
 fn ingress(ctx: &TcContext) -> i32 {
     let flow = match parse(ctx) {
         Parsed::Flow(flow) => flow,
@@ -363,7 +376,7 @@ fn tracked_backend(flow: &Flow, now: u64) -> Option<Target> {
     Some(Target { addr_be: entry.backend_addr_be, port_be: entry.backend_port_be, snat })
 }
 
-#[inline(always)]
+#[inline(never)]
 fn egress(ctx: &TcContext) -> i32 {
     let flow = match parse(ctx) {
         Parsed::Flow(flow) => flow,

@@ -61,6 +61,8 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         rev_sock: args.map_size_rev_sock,
         ct: args.map_size_ct,
         affinity: args.map_size_affinity,
+        rev_sock6: args.map_size_rev_sock6,
+        ct6: args.map_size_ct6,
     };
     let _lock = take_writer_lock(&args.state_dir).await?;
     let object = match &args.bpf_object {

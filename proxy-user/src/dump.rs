@@ -96,35 +96,83 @@ pub struct DumpedFlow {
     pub idle_seconds: u64,
 }
 
-fn flows(entries: Vec<(proxy_abi::CtKey4, proxy_abi::CtEntry4)>) -> Vec<DumpedFlow> {
-    use proxy_abi::ct;
-    use std::net::{Ipv4Addr, SocketAddrV4};
-    let addr = |a: u32, p: u16| SocketAddrV4::new(Ipv4Addr::from(u32::from_be(a)), u16::from_be(p)).to_string();
-    let now_ns = monotonic_now_ns();
-    let mut flows: Vec<DumpedFlow> = entries
+/// What `dump` shows of one conntrack entry of either family.
+struct FlowView {
+    forward: bool,
+    proto: u8,
+    client: String,
+    frontend: String,
+    backend: String,
+    backend_id: u32,
+    rev_nat_id: u16,
+    tcp_seen: u8,
+    last_seen_ns: u64,
+}
+
+fn flows6(entries: Vec<(proxy_abi::CtKey6, proxy_abi::CtEntry6)>) -> Vec<FlowView> {
+    let addr = |a: [u32; 4], p: u16| SocketAddr::new(ipv6_from_words(a).into(), u16::from_be(p)).to_string();
+    entries
         .into_iter()
-        .filter(|(key, _)| key.dir == ct::DIR_FORWARD)
-        .map(|(key, entry)| DumpedFlow {
-            protocol: match key.proto {
-                proxy_abi::IPPROTO_TCP => "TCP".into(),
-                proxy_abi::IPPROTO_UDP => "UDP".into(),
-                other => other.to_string(),
-            },
+        .map(|(key, entry)| FlowView {
+            forward: key.dir == proxy_abi::ct::DIR_FORWARD,
+            proto: key.proto,
+            client: addr(key.saddr, key.sport_be),
+            frontend: addr(entry.frontend_addr, entry.frontend_port_be),
+            backend: addr(entry.backend_addr, entry.backend_port_be),
+            backend_id: entry.backend_id,
+            rev_nat_id: entry.rev_nat_id,
+            tcp_seen: entry.tcp_seen,
+            last_seen_ns: entry.last_seen_ns,
+        })
+        .collect()
+}
+
+fn flows4(entries: Vec<(proxy_abi::CtKey4, proxy_abi::CtEntry4)>) -> Vec<FlowView> {
+    use std::net::SocketAddrV4;
+    let addr = |a: u32, p: u16| SocketAddrV4::new(Ipv4Addr::from(u32::from_be(a)), u16::from_be(p)).to_string();
+    entries
+        .into_iter()
+        .map(|(key, entry)| FlowView {
+            forward: key.dir == proxy_abi::ct::DIR_FORWARD,
+            proto: key.proto,
             client: addr(key.saddr_be, key.sport_be),
             frontend: addr(entry.frontend_addr_be, entry.frontend_port_be),
             backend: addr(entry.backend_addr_be, entry.backend_port_be),
             backend_id: entry.backend_id,
             rev_nat_id: entry.rev_nat_id,
-            tcp_state: if key.proto != proxy_abi::IPPROTO_TCP {
+            tcp_seen: entry.tcp_seen,
+            last_seen_ns: entry.last_seen_ns,
+        })
+        .collect()
+}
+
+fn flows(entries: Vec<FlowView>) -> Vec<DumpedFlow> {
+    use proxy_abi::ct;
+    let now_ns = monotonic_now_ns();
+    let mut flows: Vec<DumpedFlow> = entries
+        .into_iter()
+        .filter(|view| view.forward)
+        .map(|view| DumpedFlow {
+            protocol: match view.proto {
+                proxy_abi::IPPROTO_TCP => "TCP".into(),
+                proxy_abi::IPPROTO_UDP => "UDP".into(),
+                other => other.to_string(),
+            },
+            client: view.client,
+            frontend: view.frontend,
+            backend: view.backend,
+            backend_id: view.backend_id,
+            rev_nat_id: view.rev_nat_id,
+            tcp_state: if view.proto != proxy_abi::IPPROTO_TCP {
                 String::new()
-            } else if entry.tcp_seen & (ct::TCP_FIN | ct::TCP_RST) != 0 {
+            } else if view.tcp_seen & (ct::TCP_FIN | ct::TCP_RST) != 0 {
                 "closing".into()
-            } else if entry.tcp_seen & ct::TCP_ESTABLISHED != 0 {
+            } else if view.tcp_seen & ct::TCP_ESTABLISHED != 0 {
                 "established".into()
             } else {
                 "syn".into()
             },
-            idle_seconds: now_ns.saturating_sub(entry.last_seen_ns) / 1_000_000_000,
+            idle_seconds: now_ns.saturating_sub(view.last_seen_ns) / 1_000_000_000,
         })
         .collect();
     flows.sort_by(|a, b| (&a.frontend, &a.client).cmp(&(&b.frontend, &b.client)));
@@ -229,7 +277,9 @@ pub fn collect(bpffs: &Path) -> anyhow::Result<Dump> {
         .map(|(value, name)| (name.to_owned(), value))
         .collect();
     let rev_sock_entries = kernel::count_rev_sock_entries(bpffs)?;
-    let conntrack = flows(kernel::conntrack_entries(bpffs)?);
+    let mut views = flows4(kernel::conntrack_entries(bpffs)?);
+    views.extend(flows6(kernel::conntrack_entries6(bpffs)?));
+    let conntrack = flows(views);
     let rev_nats: BTreeMap<_, _> = maps.rev_nats()?.into_iter().collect();
     let affinity = affinity_entries(kernel::affinity_entries(bpffs)?, &rev_nats, &backends);
     Ok(Dump { services, counters, rev_sock_entries, conntrack, affinity })

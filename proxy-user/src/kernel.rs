@@ -16,7 +16,7 @@ use aya::maps::{HashMap, Map, MapData, MapType};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
 use proxy_abi::{
-    capacity, map_name, Backend4, Backend6, BackendId, CtEntry4, CtKey4, MaglevTable4, RevNat4, RevNat6, RevNatId,
+    capacity, map_name, Backend4, Backend6, BackendId, CtEntry4, CtEntry6, CtKey4, CtKey6, MaglevTable4, RevNat4, RevNat6, RevNatId,
     RevSock4, RevSock6, RevSockKey4, RevSockKey6, ServiceKey4, ServiceKey6, ServiceValue4,
 };
 
@@ -116,6 +116,8 @@ pub struct MapCapacities {
     pub rev_sock: u32,
     pub ct: u32,
     pub affinity: u32,
+    pub rev_sock6: u32,
+    pub ct6: u32,
 }
 
 impl Default for MapCapacities {
@@ -127,6 +129,8 @@ impl Default for MapCapacities {
             rev_sock: capacity::REV_SOCK4,
             ct: capacity::CT4,
             affinity: capacity::AFFINITY4,
+            rev_sock6: capacity::REV_SOCK6,
+            ct6: capacity::CT6,
         }
     }
 }
@@ -140,7 +144,7 @@ struct MapLayout {
     max_entries: u32,
 }
 
-fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 13] {
+fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 15] {
     use std::mem::size_of;
     let size = |n: usize| n as u32;
     [
@@ -233,7 +237,21 @@ fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 13] {
             map_type: MapType::LruHash,
             key_size: size(size_of::<RevSockKey6>()),
             value_size: size(size_of::<RevSock6>()),
-            max_entries: caps.rev_sock,
+            max_entries: caps.rev_sock6,
+        },
+        MapLayout {
+            name: map_name::CT6,
+            map_type: MapType::LruHash,
+            key_size: size(size_of::<CtKey6>()),
+            value_size: size(size_of::<CtEntry6>()),
+            max_entries: caps.ct6,
+        },
+        MapLayout {
+            name: map_name::IFADDR6,
+            map_type: MapType::Hash,
+            key_size: 4,
+            value_size: size(size_of::<proxy_abi::IfAddr6>()),
+            max_entries: capacity::IFADDR6,
         },
     ]
 }
@@ -326,7 +344,8 @@ pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities, object: Option<&[
         .map_max_entries(map_name::SERVICES6, caps.services)
         .map_max_entries(map_name::BACKENDS6, caps.backends)
         .map_max_entries(map_name::REV_NAT6, caps.rev_nat)
-        .map_max_entries(map_name::REV_SOCK6, caps.rev_sock)
+        .map_max_entries(map_name::REV_SOCK6, caps.rev_sock6)
+        .map_max_entries(map_name::CT6, caps.ct6)
         .load(object)
         .map_err(DatapathError::Load)?;
 
@@ -648,6 +667,12 @@ pub fn conntrack_entries(bpffs: &Path) -> Result<Vec<(CtKey4, CtEntry4)>, Datapa
     Ok(lru.iter().filter_map(Result::ok).collect())
 }
 
+/// The IPv6 conntrack entries (forward and reply), from the pinned LRU.
+pub fn conntrack_entries6(bpffs: &Path) -> Result<Vec<(CtKey6, CtEntry6)>, DatapathError> {
+    let lru = open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?;
+    Ok(lru.iter().filter_map(Result::ok).collect())
+}
+
 /// The session-affinity entries, from the pinned LRU.
 pub fn affinity_entries(bpffs: &Path) -> Result<Vec<(proxy_abi::AffinityKey4, proxy_abi::AffinityValue4)>, DatapathError> {
     let lru = open_pinned_hash::<proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>(bpffs, map_name::AFFINITY4)?;
@@ -703,6 +728,18 @@ pub fn purge_stale_flows(bpffs: &Path) -> Result<PurgedFlows, DatapathError> {
         .collect();
     for key in stale {
         if ct.remove(&key).is_ok() {
+            purged.udp_conntrack += 1;
+        }
+    }
+    let mut ct6 = open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?;
+    let stale: Vec<_> = ct6
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, v)| k.proto == proxy_abi::IPPROTO_UDP && !live.contains(&(v.rev_nat_id, v.backend_id)))
+        .map(|(k, _)| k)
+        .collect();
+    for key in stale {
+        if ct6.remove(&key).is_ok() {
             purged.udp_conntrack += 1;
         }
     }

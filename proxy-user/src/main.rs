@@ -121,6 +121,12 @@ pub struct AgentArgs {
     /// Capacity of the connection-tracking LRU of the packet-level datapath (two entries per flow).
     #[arg(long, default_value_t = proxy_abi::capacity::CT4)]
     pub map_size_ct: u32,
+    /// Capacity of the IPv6 socket reverse-translation LRU.
+    #[arg(long, default_value_t = proxy_abi::capacity::REV_SOCK6)]
+    pub map_size_rev_sock6: u32,
+    /// Capacity of the IPv6 connection-tracking LRU (two entries per flow).
+    #[arg(long, default_value_t = proxy_abi::capacity::CT6)]
+    pub map_size_ct6: u32,
     /// Capacity of the session-affinity LRU (client × frontend with `sessionAffinity: ClientIP`).
     #[arg(long, default_value_t = proxy_abi::capacity::AFFINITY4)]
     pub map_size_affinity: u32,

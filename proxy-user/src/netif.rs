@@ -56,7 +56,7 @@ pub fn interface_addresses() -> io::Result<Vec<(String, IpAddr)>> {
     Ok(found)
 }
 
-fn is_node_address(addr: IpAddr) -> bool {
+pub fn is_node_address(addr: IpAddr) -> bool {
     match addr {
         IpAddr::V4(ip) => !ip.is_loopback() && !ip.is_unspecified(),
         IpAddr::V6(ip) => !ip.is_loopback() && !ip.is_unspecified() && !ip.is_unicast_link_local(),

@@ -357,11 +357,7 @@ impl<M: LbMaps> Reconciler<M> {
         };
         // The table goes in before the slots and slot 0 that switch to it: new flows from outside
         // see either the old backend set or the new one, never a mix with missing entries.
-        // The packet path is IPv4 only so far: IPv6 frontends have no use for a table yet.
-        let use_maglev = self.algorithm == LbAlgorithm::Maglev
-            && frontend.scope == Scope::External
-            && frontend.addr.is_ipv4()
-            && count > 0;
+        let use_maglev = self.algorithm == LbAlgorithm::Maglev && frontend.scope == Scope::External && count > 0;
         if use_maglev {
             let addrs: Vec<BackendAddr> = backends.iter().map(|b| b.addr).collect();
             let table = self.maglev_table(&addrs, &ids);

@@ -6,7 +6,7 @@
 //! capacities; nothing is attached anywhere.
 
 use std::fs;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -14,8 +14,8 @@ use aya::maps::{HashMap, MapData, PerCpuArray};
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 use proxy_abi::{
-    map_name, stat, Backend4, BackendId, CtEntry4, CtKey4, IfAddr4, MaglevTable4, ServiceKey4, ServiceValue4,
-    SCOPE_EXTERNAL,
+    map_name, stat, Backend4, Backend6, BackendId, CtEntry4, CtEntry6, CtKey4, CtKey6, IfAddr4, MaglevTable4,
+    ServiceKey4, ServiceKey6, ServiceValue4, SCOPE_EXTERNAL,
 };
 
 /// The tc verdicts a test expects.
@@ -61,6 +61,11 @@ impl TcPrograms {
             .map_max_entries(map_name::REV_NAT4, 1024)
             .map_max_entries(map_name::REV_SOCK4, 1024)
             .map_max_entries(map_name::CT4, 1024)
+            .map_max_entries(map_name::SERVICES6, 1024)
+            .map_max_entries(map_name::BACKENDS6, 1024)
+            .map_max_entries(map_name::REV_NAT6, 1024)
+            .map_max_entries(map_name::REV_SOCK6, 1024)
+            .map_max_entries(map_name::CT6, 1024)
             .load(&object);
         let mut ebpf = match loaded {
             Ok(ebpf) => ebpf,
@@ -118,6 +123,35 @@ impl TcPrograms {
         Ok(())
     }
 
+    /// [`TcPrograms::put_frontend`] for IPv6.
+    pub fn put_frontend6(
+        &mut self,
+        frontend: SocketAddrV6,
+        proto: u8,
+        rev_nat_id: u16,
+        flags: u8,
+        backends: &[(BackendId, SocketAddrV6, u8)],
+    ) -> anyhow::Result<()> {
+        for &(id, addr, backend_flags) in backends {
+            let value = Backend6 { addr: words6(addr.ip()), port_be: addr.port().to_be(), proto, flags: backend_flags };
+            self.hash::<BackendId, Backend6>(map_name::BACKENDS6)?.insert(id, value, 0)?;
+        }
+        let mut services = self.hash::<ServiceKey6, ServiceValue4>(map_name::SERVICES6)?;
+        let key = |slot| ServiceKey6::new(words6(frontend.ip()), frontend.port().to_be(), proto, SCOPE_EXTERNAL, slot);
+        for (slot, &(id, _, _)) in backends.iter().enumerate() {
+            services.insert(key(slot as u16 + 1), ServiceValue4 { backend_id: id, ..Default::default() }, 0)?;
+        }
+        let slot0 = ServiceValue4 { count: backends.len() as u16, rev_nat_id, flags, ..Default::default() };
+        services.insert(key(0), slot0, 0)?;
+        Ok(())
+    }
+
+    /// Every IPv6 conntrack entry.
+    pub fn conntrack6(&mut self) -> anyhow::Result<Vec<(CtKey6, CtEntry6)>> {
+        let map = self.hash::<CtKey6, CtEntry6>(map_name::CT6)?;
+        Ok(map.iter().collect::<Result<Vec<_>, _>>()?)
+    }
+
     /// Records `addr` as the IPv4 address of interface `ifindex`, as the agent does when it
     /// attaches (BPF_PROG_TEST_RUN runs a program on the loopback device, ifindex 1).
     pub fn put_interface_address(&mut self, ifindex: u32, addr: Ipv4Addr) -> anyhow::Result<()> {
@@ -162,6 +196,12 @@ impl Drop for TcPrograms {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.pin_dir);
     }
+}
+
+/// An IPv6 address as the maps hold it: four words, network byte order in memory.
+pub fn words6(ip: &Ipv6Addr) -> [u32; 4] {
+    let o = ip.octets();
+    std::array::from_fn(|i| u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]]))
 }
 
 /// An address as the maps hold it (network byte order in memory).

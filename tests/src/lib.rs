@@ -23,6 +23,7 @@ pub mod forward;
 pub mod probe;
 pub mod kube_scenario;
 pub mod packet;
+pub mod packet6;
 pub mod scenario;
 pub mod topology;
 

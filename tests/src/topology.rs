@@ -121,6 +121,23 @@ pub struct Pod {
     pub netns: Netns,
 }
 
+/// Waits until no IPv6 address in `netns` is still tentative (duplicate address detection of the
+/// link-local addresses of fresh interfaces takes about a second; until then neighbour discovery,
+/// and so the first packets, can stall).
+fn wait_ipv6_ready(netns: &Netns) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let out = netns.exec(&["ip", "-6", "addr", "show", "tentative"])?;
+        if out.stdout.iter().all(u8::is_ascii_whitespace) {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("IPv6 addresses in {} still tentative: {}", netns.name, String::from_utf8_lossy(&out.stdout));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 /// The node's IPv6 address on br0 (with [`Topology::enable_ipv6`]), inside the pods' /64.
 pub const NODE_IP6: &str = "fd00:10:244:1::1";
 
@@ -152,10 +169,17 @@ impl Topology {
     /// addresses work at once.)
     pub fn enable_ipv6(&mut self) -> anyhow::Result<()> {
         self.node.exec(&["ip", "-6", "addr", "add", &format!("{NODE_IP6}/64"), "dev", "br0", "nodad"])?;
+        // Interfaces made from now on (the node's side of each pod's veth) skip duplicate address
+        // detection, so their link-local addresses are usable at once.
+        self.node.exec(&["sysctl", "-qw", "net.ipv6.conf.default.accept_dad=0"])?;
         self.ipv6 = true;
         for pod in &mut self.pods {
             let host = pod.ip.rsplit('.').next().context("pod address")?.to_owned();
             pod.ip6 = Some(Self::pod_ipv6(&pod.netns, &host)?);
+        }
+        wait_ipv6_ready(&self.node)?;
+        for pod in &self.pods {
+            wait_ipv6_ready(&pod.netns)?;
         }
         Ok(())
     }
@@ -175,9 +199,20 @@ impl Topology {
         self.node.exec(&["ip", "link", "add", &host_side, "type", "veth", "peer", "name", "eth0", "netns", &netns.name])?;
         self.node.exec(&["ip", "link", "set", &host_side, "master", "br0", "up"])?;
         netns.exec(&["ip", "addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+        if self.ipv6 {
+            // No duplicate address detection for the link-local address either: usable at once.
+            netns.exec(&["sysctl", "-qw", "net.ipv6.conf.eth0.accept_dad=0"])?;
+        }
         netns.exec(&["ip", "link", "set", "eth0", "up"])?;
         netns.exec(&["ip", "route", "add", "default", "via", "10.244.1.1"])?;
-        let ip6 = if self.ipv6 { Some(Self::pod_ipv6(&netns, &host.to_string())?) } else { None };
+        let ip6 = if self.ipv6 {
+            let ip6 = Self::pod_ipv6(&netns, &host.to_string())?;
+            wait_ipv6_ready(&netns)?;
+            wait_ipv6_ready(&self.node)?;
+            Some(ip6)
+        } else {
+            None
+        };
         self.pods.push(Pod { name: name.to_owned(), ip, ip6, netns });
         Ok(self.pods.last().expect("just pushed"))
     }
@@ -295,6 +330,24 @@ impl Topology {
             node_ip: "192.168.240.1".into(),
             node_interface: node_interface.into(),
         })
+    }
+}
+
+/// The node's and the external client's IPv6 addresses on their link, after
+/// [`Topology::enable_external_ipv6`].
+pub const EXT_NODE_IP6: &str = "fd00:192:168:240::1";
+pub const EXT_CLIENT_IP6: &str = "fd00:192:168:240::2";
+
+impl Topology {
+    /// Gives the link to `client` IPv6 addresses ([`EXT_NODE_IP6`] on the node's side,
+    /// [`EXT_CLIENT_IP6`] on the client's) and lets the node forward IPv6 (inside its namespace).
+    pub fn enable_external_ipv6(&self, client: &ExternalClient) -> anyhow::Result<()> {
+        let node_side = format!("{EXT_NODE_IP6}/64");
+        self.node.exec(&["ip", "-6", "addr", "add", &node_side, "dev", &client.node_interface, "nodad"])?;
+        self.node.exec(&["sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"])?;
+        client.netns.exec(&["ip", "-6", "addr", "add", &format!("{EXT_CLIENT_IP6}/64"), "dev", "eth0", "nodad"])?;
+        wait_ipv6_ready(&self.node)?;
+        wait_ipv6_ready(&client.netns)
     }
 }
 

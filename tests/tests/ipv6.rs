@@ -7,13 +7,14 @@ use std::time::{Duration, Instant};
 
 use e2e::agent::{Agent, AgentDir};
 use e2e::probe::{self, Server, Summary};
-use e2e::topology::{Topology, NODE_IP6};
+use e2e::topology::{Topology, EXT_CLIENT_IP6, EXT_NODE_IP6, NODE_IP6};
 
 const VIP4: &str = "10.96.0.10";
 const VIP6: &str = "fd00:96::10";
 const ONLY6_VIP: &str = "fd00:96::20";
 const EMPTY6_VIP: &str = "fd00:96::30";
 const NODE_PORT: u16 = 30091;
+const EMPTY_NODE_PORT: u16 = 30092;
 
 fn slice(service: &str, name: &str, address_type: &str, addresses: &[&str]) -> String {
     let endpoints: String = addresses.iter().map(|ip| format!("\n- {{addresses: [\"{ip}\"], nodeName: node-1}}")).collect();
@@ -64,10 +65,13 @@ apiVersion: v1
 kind: Service
 metadata: {{name: empty6, namespace: demo}}
 spec:
+  type: NodePort
   ipFamilies: [IPv6]
   clusterIP: "{EMPTY6_VIP}"
   clusterIPs: ["{EMPTY6_VIP}"]
-  ports: [{{name: http, port: 80, protocol: TCP}}]
+  ports:
+  - {{name: http, port: 80, protocol: TCP, nodePort: {EMPTY_NODE_PORT}}}
+  - {{name: dns, port: 53, protocol: UDP, nodePort: {EMPTY_NODE_PORT}}}
 "#
     );
     [
@@ -91,6 +95,12 @@ struct Env {
 
 impl Env {
     fn new() -> Self {
+        Self::with(|_| Vec::new())
+    }
+
+    /// With more set-up of the topology before the agent starts; `setup` returns extra agent
+    /// arguments.
+    fn with(setup: impl FnOnce(&Topology) -> Vec<String>) -> Self {
         let mut topo = Topology::new().expect("topology");
         topo.enable_ipv6().expect("IPv6 on the node");
         topo.add_pod("client", 2).expect("client pod");
@@ -103,7 +113,9 @@ impl Env {
         ];
         let dir = AgentDir::new(&topo.id).expect("agent dir");
         dir.write_manifest(&manifest(&[BE1_6, BE2_6])).expect("manifest");
-        let agent = Agent::start_file_in_node(&topo, &dir, &[]).expect("agent in the node namespace");
+        let args = setup(&topo);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let agent = Agent::start_file_in_node(&topo, &dir, &args).expect("agent in the node namespace");
         Self { agent, dir, _servers: servers, topo }
     }
 
@@ -196,4 +208,56 @@ fn ipv6_services_survive_an_agent_crash_and_follow_endpoint_changes_after_the_re
     assert_eq!((summary.ok, summary.answered_by("be1")), (40, 40), "{summary:?}");
     // The IPv4 side of the same Service still has both.
     assert_spread(&env.probe("tcp", &format!("{VIP4}:80"), 40), 40);
+}
+
+#[test]
+fn an_external_ipv6_client_reaches_a_node_port_over_tcp_and_udp_and_is_refused_without_endpoints() {
+    let mut client = None;
+    let env = Env::with(|topo| {
+        let ext = topo.add_external_client("ext").expect("external client");
+        topo.enable_external_ipv6(&ext).expect("IPv6 on the client's link");
+        let interfaces = format!("--interfaces={}", ext.node_interface);
+        client = Some(ext);
+        vec![interfaces]
+    });
+    let client = client.expect("client");
+    let started = Instant::now();
+    while !env.entries(EXT_NODE_IP6, NODE_PORT, "TCP").iter().any(|e| e["scope"] == "external") {
+        assert!(started.elapsed() < Duration::from_secs(5), "no external IPv6 NodePort\n{}", env.agent.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let from_client = |kind: &str, port: u16, count: u32| {
+        let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
+        probe::client_with(command, kind, &format!("[{EXT_NODE_IP6}]:{port}"), count).expect("probe")
+    };
+    // Translated by the TC programs on ext0 (the client is in no load-balanced cgroup); the
+    // probe fails any answer that does not come from the NodePort address.
+    assert_spread(&from_client("tcp", NODE_PORT, 60), 60);
+    assert_spread(&from_client("udp", NODE_PORT, 60), 60);
+    // A NodePort without endpoints answers ICMPv6 port unreachable. A connected UDP socket
+    // gets ECONNREFUSED from it. (A TCP connect() here would not show it: client and node share
+    // one kernel, so the error arrives while connect() still holds the socket's lock, and Linux
+    // drops it as LockDroppedIcmps; across a real link it fails the connect at once. The
+    // packet test checks the reply itself.)
+    let mut command = client.command(&e2e::bin("epx-probe")).expect("probe command");
+    let to = format!("[{EXT_NODE_IP6}]:{EMPTY_NODE_PORT}");
+    let output = command
+        .args(["udp-connected", "--to", &to, "--interval-ms", "50", "--duration-ms", "500"])
+        .output()
+        .expect("connected UDP client");
+    let result: serde_json::Value = serde_json::from_slice(&output.stdout).expect("client JSON");
+    assert!(result["answers"].as_array().is_some_and(Vec::is_empty), "{result}");
+    assert!(result["errors"]["ECONNREFUSED"].as_u64().unwrap_or(0) >= 3, "{result}");
+
+    let dump = env.agent.dump().expect("dump");
+    let counter = |name: &str| dump["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}"));
+    assert!(counter("tc_dnat") >= 120 && counter("tc_rev_nat") >= 120, "{:#}", dump["counters"]);
+    assert!(counter("tc_no_backend_reject") >= 3, "{:#}", dump["counters"]);
+    let flows = dump["conntrack"].as_array().expect("conntrack");
+    let client_prefix = format!("[{EXT_CLIENT_IP6}]:");
+    assert!(
+        flows.iter().any(|f| f["client"].as_str().unwrap_or("").starts_with(&client_prefix)
+            && f["frontend"] == format!("[{EXT_NODE_IP6}]:{NODE_PORT}").as_str()),
+        "no tracked IPv6 flow: {flows:#?}"
+    );
 }

@@ -31,8 +31,8 @@ pub fn up() -> anyhow::Result<()> {
     println!("Ctrl-C stops the control plane and removes everything it created.");
     // SAFETY: the handler only stores to an atomic.
     unsafe {
-        libc::signal(libc::SIGINT, request_stop as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, request_stop as libc::sighandler_t);
+        libc::signal(libc::SIGINT, request_stop as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, request_stop as *const () as libc::sighandler_t);
     }
     while !STOP.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(200));

@@ -29,6 +29,7 @@ pub const DEFAULT_TESTS: &[&str] = &[
     "map_full",
     "service_types",
     "tc_packets",
+    "tc_packets6",
     "nodeport_external",
     "ipv6",
     "vm_kernel_features",

@@ -24,11 +24,13 @@ pub mod map_name {
     pub const BACKENDS6: &str = "epx_be6_v1";
     pub const REV_NAT6: &str = "epx_revnat6_v1";
     pub const REV_SOCK6: &str = "epx_revsk6_v1";
+    pub const CT6: &str = "epx_ct6_v1";
+    pub const IFADDR6: &str = "epx_ifaddr6_v1";
 
     /// Every map the agent owns, in the order `dump` prints them.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 15] = [
         SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS, CT4, IFADDR4, AFFINITY4, MAGLEV4, SERVICES6, BACKENDS6,
-        REV_NAT6, REV_SOCK6,
+        REV_NAT6, REV_SOCK6, CT6, IFADDR6,
     ];
 }
 
@@ -50,11 +52,16 @@ pub mod capacity {
     /// One Maglev table per external frontend (`--lb-algorithm maglev` only). Not preallocated:
     /// a table takes its memory (`maglev::TABLE_SIZE` × 4 bytes) only once written.
     pub const MAGLEV4: u32 = 16_384;
-    /// The IPv6 maps: as their IPv4 counterparts (`--map-size-*` sets both families).
+    /// The IPv6 service, backend and reverse-NAT maps: as their IPv4 counterparts (one
+    /// `--map-size-*` flag sizes both families; hash maps take memory only for what they hold).
     pub const SERVICES6: u32 = SERVICES4;
     pub const BACKENDS6: u32 = BACKENDS4;
     pub const REV_NAT6: u32 = REV_NAT4;
-    pub const REV_SOCK6: u32 = REV_SOCK4;
+    /// The IPv6 LRUs are preallocated and their entries are larger, so they have their own,
+    /// smaller defaults (`--map-size-rev-sock6`, `--map-size-ct6`).
+    pub const REV_SOCK6: u32 = 65_536;
+    pub const CT6: u32 = 65_536;
+    pub const IFADDR6: u32 = IFADDR4;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -381,6 +388,9 @@ pub mod affinity {
     pub const CLIENT_NETNS: u8 = 0;
     /// The client's IPv4 source address (packet path), in the low 32 bits of `client`.
     pub const CLIENT_IP4: u8 = 1;
+    /// The client's IPv6 source address (packet path), folded to 64 bits (the two halves
+    /// XORed): two clients that fold alike would share their stickiness, nothing worse.
+    pub const CLIENT_IP6: u8 = 2;
 }
 
 /// Key of the session-affinity LRU (`sessionAffinity: ClientIP`): a client and a frontend.
@@ -457,6 +467,12 @@ pub mod maglev {
     /// of one backend of N moves little more than 1/N of the flows (the paper's rule is 100 ×).
     pub const TABLE_SIZE: u32 = 4093;
 
+    /// [`flow_hash`] for an IPv6 client: its address folded to 32 bits first.
+    #[inline(always)]
+    pub fn flow_hash6(client_addr: &[u32; 4], client_port_be: u16, frontend_port_be: u16, proto: u8) -> u32 {
+        flow_hash(client_addr[0] ^ client_addr[1] ^ client_addr[2] ^ client_addr[3], client_port_be, frontend_port_be, proto)
+    }
+
     /// The flow's hash. It covers the client's address and port, the protocol and the frontend's
     /// port, but not the frontend's address: the same client flow then lands on the same backend
     /// through any node, and through any of a Service's NodePort addresses or LB IPs.
@@ -488,6 +504,49 @@ pub struct MaglevTable4 {
 }
 const _: () = assert!(size_of::<MaglevTable4>() == 4 * maglev::TABLE_SIZE as usize);
 
+/// The IPv6 address of an interface the TC programs are attached to (`epx_ifaddr6_v1`, keyed by
+/// ifindex): the SNAT source for IPv6 externalIP and LoadBalancer traffic that arrived there.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct IfAddr6 {
+    pub addr: [u32; 4],
+}
+const _: () = assert!(size_of::<IfAddr6>() == 16);
+
+/// Key of the IPv6 conntrack LRU (`epx_ct6_v1`): as [`CtKey4`] with 128-bit addresses.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub struct CtKey6 {
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub proto: u8,
+    pub dir: u8,
+    pub pad: [u8; 2],
+}
+const _: () = assert!(size_of::<CtKey6>() == 40);
+
+/// Value of the IPv6 conntrack LRU: as [`CtEntry4`] with 128-bit addresses.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct CtEntry6 {
+    pub backend_addr: [u32; 4],
+    pub frontend_addr: [u32; 4],
+    pub client_addr: [u32; 4],
+    pub snat_addr: [u32; 4],
+    pub backend_port_be: u16,
+    pub frontend_port_be: u16,
+    pub client_port_be: u16,
+    pub snat_port_be: u16,
+    pub backend_id: u32,
+    pub rev_nat_id: u16,
+    pub nat: u8,
+    pub tcp_seen: u8,
+    pub last_seen_ns: u64,
+}
+const _: () = assert!(size_of::<CtEntry6>() == 88);
+
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
@@ -510,4 +569,7 @@ mod pod {
     unsafe impl aya::Pod for RevNat6 {}
     unsafe impl aya::Pod for RevSockKey6 {}
     unsafe impl aya::Pod for RevSock6 {}
+    unsafe impl aya::Pod for IfAddr6 {}
+    unsafe impl aya::Pod for CtKey6 {}
+    unsafe impl aya::Pod for CtEntry6 {}
 }

@@ -22,7 +22,7 @@ use aya::programs::tc::{self, NlOptions, TcAttachOptions};
 use aya::programs::{LinkOrder, ProgramError, SchedClassifier, TcAttachType};
 use aya::sys::SyscallError;
 use aya::Ebpf;
-use proxy_abi::{map_name, IfAddr4};
+use proxy_abi::{map_name, IfAddr4, IfAddr6};
 
 use super::{bpf_link_update, bpf_obj_get, Datapath, DatapathError};
 
@@ -103,35 +103,53 @@ pub fn attach(datapath: &mut Datapath, bpffs: &Path, interfaces: &[String], mode
     detach_unlisted(&links, interfaces)
 }
 
-/// Writes each interface's IPv4 address (the lowest, if it has several) into `epx_ifaddr4_v1`,
-/// the SNAT source for externalIP/LoadBalancer traffic arriving there, and removes the entries
-/// of other interfaces. Read once at start-up: an address changed later is picked up by the
-/// next start.
+/// Writes each interface's IPv4 and IPv6 address (the lowest of each family, if it has several;
+/// IPv6 link-local ones left out) into `epx_ifaddr4_v1` and `epx_ifaddr6_v1`: the SNAT source
+/// for externalIP/LoadBalancer traffic arriving there. Entries of other interfaces are removed.
+/// Read once at start-up: an address changed later is picked up by the next start.
 fn record_interface_addresses(ebpf: &mut Ebpf, interfaces: &[String]) -> Result<(), DatapathError> {
-    let name = map_name::IFADDR4;
-    let map = ebpf.map_mut(name).ok_or(DatapathError::Missing { kind: "map", name })?;
-    let mut map: HashMap<&mut MapData, u32, IfAddr4> =
-        HashMap::try_from(map).map_err(|source| DatapathError::MapLayout { name, source })?;
     let addresses = crate::netif::interface_addresses()
         .map_err(|source| DatapathError::InterfaceAddress { interface: interfaces.join(","), source })?;
-    let mut wanted = BTreeMap::new();
+    let mut indexed = Vec::new();
     for interface in interfaces {
-        let address = addresses
-            .iter()
-            .filter(|(owner, _)| owner == interface)
-            .filter_map(|(_, addr)| match addr {
-                IpAddr::V4(v4) => Some(*v4),
-                IpAddr::V6(_) => None,
-            })
-            .min();
         let c_name = CString::new(interface.as_str()).map_err(|e| DatapathError::InterfaceAddress {
             interface: interface.clone(),
             source: io::Error::other(e),
         })?;
         // SAFETY: if_nametoindex reads a NUL-terminated string.
         let ifindex = unsafe { libc::if_nametoindex(c_name.as_ptr()) };
-        if let (Some(address), true) = (address, ifindex != 0) {
-            wanted.insert(ifindex, IfAddr4 { addr_be: u32::from(address).to_be() });
+        if ifindex != 0 {
+            let own = addresses.iter().filter(|(owner, _)| owner == interface).map(|(_, addr)| *addr);
+            indexed.push((ifindex, own.collect::<Vec<IpAddr>>()));
+        }
+    }
+    write_interface_addresses(ebpf, map_name::IFADDR4, &indexed, |addr| match addr {
+        IpAddr::V4(v4) => Some(IfAddr4 { addr_be: u32::from(v4).to_be() }),
+        IpAddr::V6(_) => None,
+    })?;
+    write_interface_addresses(ebpf, map_name::IFADDR6, &indexed, |addr| match addr {
+        IpAddr::V6(v6) if crate::netif::is_node_address(addr) => Some(IfAddr6 { addr: crate::reconcile::ipv6_words(v6) }),
+        _ => None,
+    })
+}
+
+/// One family's map of [`record_interface_addresses`]: ifindex -> the lowest address `convert`
+/// accepts.
+fn write_interface_addresses<V: aya::Pod>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    interfaces: &[(u32, Vec<IpAddr>)],
+    convert: impl Fn(IpAddr) -> Option<V>,
+) -> Result<(), DatapathError> {
+    let map = ebpf.map_mut(name).ok_or(DatapathError::Missing { kind: "map", name })?;
+    let mut map: HashMap<&mut MapData, u32, V> =
+        HashMap::try_from(map).map_err(|source| DatapathError::MapLayout { name, source })?;
+    let mut wanted = BTreeMap::new();
+    for (ifindex, addresses) in interfaces {
+        let mut own: Vec<IpAddr> = addresses.iter().copied().filter(|a| convert(*a).is_some()).collect();
+        own.sort();
+        if let Some(value) = own.first().and_then(|a| convert(*a)) {
+            wanted.insert(*ifindex, value);
         }
     }
     let write_err = |source| DatapathError::MapWrite { name, source };
