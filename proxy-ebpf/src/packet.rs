@@ -200,21 +200,7 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         let Ok(daddr_be) = ctx.load::<u32>(IP_DADDR_OFF) else { return Parsed::BadHeader };
         return parse_icmp_error(ctx, daddr_be, l4_off, ip_end);
     }
-    let mut tcp_flags = 0;
-    if proto == IPPROTO_TCP {
-        if l4_off + TCP_MIN_HLEN > ip_end {
-            return Parsed::BadHeader;
-        }
-        let Ok(data_off) = ctx.load::<u8>(l4_off + 12) else { return Parsed::BadHeader };
-        let tcp_hlen = usize::from(data_off >> 4) * 4;
-        if tcp_hlen < TCP_MIN_HLEN || l4_off + tcp_hlen > ip_end {
-            return Parsed::BadHeader;
-        }
-        let Ok(flags) = ctx.load::<u8>(l4_off + 13) else { return Parsed::BadHeader };
-        tcp_flags = flags;
-    } else if l4_off + UDP_HLEN > ip_end {
-        return Parsed::BadHeader;
-    }
+    let Ok(tcp_flags) = l4_header(ctx, proto, l4_off, ip_end) else { return Parsed::BadHeader };
     let (Ok(saddr_be), Ok(daddr_be), Ok(sport_be), Ok(dport_be)) = (
         ctx.load::<u32>(IP_SADDR_OFF),
         ctx.load::<u32>(IP_DADDR_OFF),
@@ -224,6 +210,24 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         return Parsed::BadHeader;
     };
     Parsed::Flow(Flow { saddr_be, daddr_be, sport_be, dport_be, proto, l4_off, tcp_flags, ip_hlen })
+}
+
+/// Checks that the TCP or UDP header at `l4_off` fits before `ip_end` (TCP: its data offset
+/// too) and returns the TCP flags (0 for UDP). Shared by the IPv4 and IPv6 parsers.
+#[inline(always)]
+pub fn l4_header(ctx: &TcContext, proto: u8, l4_off: usize, ip_end: usize) -> Result<u8, ()> {
+    if proto != IPPROTO_TCP {
+        return if l4_off + UDP_HLEN > ip_end { Err(()) } else { Ok(0) };
+    }
+    if l4_off + TCP_MIN_HLEN > ip_end {
+        return Err(());
+    }
+    let data_off = ctx.load::<u8>(l4_off + 12).map_err(|_| ())?;
+    let tcp_hlen = usize::from(data_off >> 4) * 4;
+    if tcp_hlen < TCP_MIN_HLEN || l4_off + tcp_hlen > ip_end {
+        return Err(());
+    }
+    ctx.load::<u8>(l4_off + 13).map_err(|_| ())
 }
 
 /// A helper call failed; the packet may be partly rewritten and must not be sent on.

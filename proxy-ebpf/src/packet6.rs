@@ -13,7 +13,7 @@ use aya_ebpf::{
 };
 use proxy_abi::{IPPROTO_TCP, IPPROTO_UDP};
 
-use crate::packet::{RewriteFailed, ETH_HLEN};
+use crate::packet::{l4_header, RewriteFailed, ETH_HLEN};
 
 pub const ETH_P_IPV6: u16 = 0x86dd;
 pub const IPV6_HLEN: usize = 40;
@@ -26,8 +26,6 @@ const NEXTHDR_DEST: u8 = 60;
 pub const IPPROTO_ICMPV6: u8 = 58;
 /// Extension headers skipped before giving up (and passing the packet untouched).
 const MAX_EXT_HEADERS: usize = 4;
-const TCP_MIN_HLEN: usize = 20;
-const UDP_HLEN: usize = 8;
 const ICMPV6_HLEN: usize = 8;
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PKT_TOOBIG: u8 = 2;
@@ -194,21 +192,7 @@ pub fn parse6(ctx: &TcContext, out: &mut Parsed6Out) -> Parsed6 {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return Parsed6::NotOurs;
     }
-    let mut tcp_flags = 0;
-    if proto == IPPROTO_TCP {
-        if l4_off + TCP_MIN_HLEN > ip_end {
-            return Parsed6::BadHeader;
-        }
-        let Ok(data_off) = ctx.load::<u8>(l4_off + 12) else { return Parsed6::BadHeader };
-        let tcp_hlen = usize::from(data_off >> 4) * 4;
-        if tcp_hlen < TCP_MIN_HLEN || l4_off + tcp_hlen > ip_end {
-            return Parsed6::BadHeader;
-        }
-        let Ok(flags) = ctx.load::<u8>(l4_off + 13) else { return Parsed6::BadHeader };
-        tcp_flags = flags;
-    } else if l4_off + UDP_HLEN > ip_end {
-        return Parsed6::BadHeader;
-    }
+    let Ok(tcp_flags) = l4_header(ctx, proto, l4_off, ip_end) else { return Parsed6::BadHeader };
     let (Ok(sport_be), Ok(dport_be)) = (ctx.load::<u16>(l4_off), ctx.load::<u16>(l4_off + 2)) else {
         return Parsed6::BadHeader;
     };

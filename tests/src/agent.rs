@@ -321,6 +321,13 @@ impl Agent {
     pub fn dump(&self) -> anyhow::Result<serde_json::Value> {
         dump(&self.bpffs)
     }
+
+    /// The dump's service entries for `ip:port/PROTOCOL`, one per scope.
+    pub fn entries(&self, ip: &str, port: u16, protocol: &str) -> Vec<serde_json::Value> {
+        let dump = self.dump().expect("dump");
+        let services = dump["services"].as_array().cloned().unwrap_or_default();
+        services.into_iter().filter(|s| s["ip"] == ip && s["port"] == port && s["protocol"] == protocol).collect()
+    }
 }
 
 pub fn dump(bpffs: &Path) -> anyhow::Result<serde_json::Value> {

@@ -115,35 +115,45 @@ impl Frame {
     }
 
     fn l4_bytes(&self) -> Vec<u8> {
-        let mut l4 = Vec::new();
-        l4.extend_from_slice(&self.src.port().to_be_bytes());
-        l4.extend_from_slice(&self.dst.port().to_be_bytes());
-        let csum_at = match self.l4 {
-            L4::Tcp { flags, seq, ack } => {
-                l4.extend_from_slice(&seq.to_be_bytes());
-                l4.extend_from_slice(&ack.to_be_bytes());
-                l4.push(5 << 4);
-                l4.push(flags);
-                l4.extend_from_slice(&64240u16.to_be_bytes());
-                l4.extend_from_slice(&[0, 0, 0, 0]);
-                16
-            }
-            L4::Udp { .. } => {
-                l4.extend_from_slice(&((8 + self.payload.len()) as u16).to_be_bytes());
-                l4.extend_from_slice(&[0, 0]);
-                6
-            }
-        };
-        l4.extend_from_slice(&self.payload);
+        let (mut l4, csum_at) = l4_segment(&self.l4, self.src.port(), self.dst.port(), &self.payload);
         if !matches!(self.l4, L4::Udp { checksum: false }) {
-            let mut csum = l4_checksum(*self.src.ip(), *self.dst.ip(), self.proto(), &l4);
-            if csum == 0 && self.proto() == IPPROTO_UDP {
-                csum = 0xffff;
-            }
-            l4[csum_at..csum_at + 2].copy_from_slice(&csum.to_be_bytes());
+            let csum = l4_checksum(*self.src.ip(), *self.dst.ip(), self.proto(), &l4);
+            set_l4_checksum(&mut l4, csum_at, csum, self.proto());
         }
         l4
     }
+}
+
+/// A TCP or UDP segment (header and `payload`) with its checksum field zero, and where that
+/// field is. Shared by the IPv4 and IPv6 frame builders.
+pub fn l4_segment(l4: &L4, sport: u16, dport: u16, payload: &[u8]) -> (Vec<u8>, usize) {
+    let mut segment = Vec::new();
+    segment.extend_from_slice(&sport.to_be_bytes());
+    segment.extend_from_slice(&dport.to_be_bytes());
+    let csum_at = match *l4 {
+        L4::Tcp { flags, seq, ack } => {
+            segment.extend_from_slice(&seq.to_be_bytes());
+            segment.extend_from_slice(&ack.to_be_bytes());
+            segment.push(5 << 4);
+            segment.push(flags);
+            segment.extend_from_slice(&64240u16.to_be_bytes());
+            segment.extend_from_slice(&[0, 0, 0, 0]);
+            16
+        }
+        L4::Udp { .. } => {
+            segment.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+            segment.extend_from_slice(&[0, 0]);
+            6
+        }
+    };
+    segment.extend_from_slice(payload);
+    (segment, csum_at)
+}
+
+/// Writes a computed checksum; for UDP a computed 0 goes out as 0xffff (0 means "none").
+pub fn set_l4_checksum(segment: &mut [u8], csum_at: usize, csum: u16, proto: u8) {
+    let csum = if csum == 0 && proto == IPPROTO_UDP { 0xffff } else { csum };
+    segment[csum_at..csum_at + 2].copy_from_slice(&csum.to_be_bytes());
 }
 
 /// An ICMP error from `src` to `dst` (`icmp_type`/`code`, `rest` the header's last 4 bytes, e.g.

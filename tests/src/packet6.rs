@@ -3,7 +3,9 @@
 
 use std::net::{Ipv6Addr, SocketAddrV6};
 
-use crate::packet::{checksum, CLIENT_MAC, ETH_HLEN, IPPROTO_TCP, IPPROTO_UDP, L4, NODE_MAC, TCP_ACK};
+use crate::packet::{
+    checksum, l4_segment, set_l4_checksum, CLIENT_MAC, ETH_HLEN, IPPROTO_TCP, IPPROTO_UDP, L4, NODE_MAC, TCP_ACK,
+};
 
 pub const IPPROTO_ICMPV6: u8 = 58;
 pub const NEXTHDR_DEST: u8 = 60;
@@ -91,31 +93,9 @@ impl Frame6 {
     }
 
     fn l4_bytes(&self) -> Vec<u8> {
-        let mut l4 = Vec::new();
-        l4.extend_from_slice(&self.src.port().to_be_bytes());
-        l4.extend_from_slice(&self.dst.port().to_be_bytes());
-        let csum_at = match self.l4 {
-            L4::Tcp { flags, seq, ack } => {
-                l4.extend_from_slice(&seq.to_be_bytes());
-                l4.extend_from_slice(&ack.to_be_bytes());
-                l4.push(5 << 4);
-                l4.push(flags);
-                l4.extend_from_slice(&64240u16.to_be_bytes());
-                l4.extend_from_slice(&[0, 0, 0, 0]);
-                16
-            }
-            L4::Udp { .. } => {
-                l4.extend_from_slice(&((8 + self.payload.len()) as u16).to_be_bytes());
-                l4.extend_from_slice(&[0, 0]);
-                6
-            }
-        };
-        l4.extend_from_slice(&self.payload);
-        let mut csum = l4_checksum6(*self.src.ip(), *self.dst.ip(), self.proto(), &l4);
-        if csum == 0 && self.proto() == IPPROTO_UDP {
-            csum = 0xffff;
-        }
-        l4[csum_at..csum_at + 2].copy_from_slice(&csum.to_be_bytes());
+        let (mut l4, csum_at) = l4_segment(&self.l4, self.src.port(), self.dst.port(), &self.payload);
+        let csum = l4_checksum6(*self.src.ip(), *self.dst.ip(), self.proto(), &l4);
+        set_l4_checksum(&mut l4, csum_at, csum, self.proto());
         l4
     }
 }

@@ -356,7 +356,9 @@ impl Topology {
     /// pod (address 10.244.2.`host` on its loopback), reached from this node through its own link
     /// (`n2` 192.168.250.1/24 here, 192.168.250.2/24 there) by a route for 10.244.2.0/24. That
     /// node routes back only to `reachable` (CIDRs via this node): what it answers must be
-    /// addressed to those.
+    /// addressed to those. With [`Topology::enable_ipv6`] the same in IPv6 too: the pod has
+    /// fd00:10:244:2::`host`, the link fd00:192:168:250::1 and ::2, and IPv6 CIDRs in `reachable`
+    /// are routed back that way.
     pub fn add_remote_pod(&mut self, name: &str, host: u8, reachable: &[&str]) -> anyhow::Result<&Pod> {
         let netns = Netns::create(&format!("{}-{}-{name}", crate::PREFIX, self.id))?;
         let ip = format!("10.244.2.{host}");
@@ -366,14 +368,34 @@ impl Topology {
         self.node.exec(&["ip", "route", "add", "10.244.2.0/24", "via", "192.168.250.2"])?;
         self.node.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
         netns.exec(&["ip", "addr", "add", "192.168.250.2/24", "dev", "eth0"])?;
+        if self.ipv6 {
+            netns.exec(&["sysctl", "-qw", "net.ipv6.conf.eth0.accept_dad=0"])?;
+        }
         netns.exec(&["ip", "link", "set", "eth0", "up"])?;
         netns.exec(&["ip", "addr", "add", &format!("{ip}/32"), "dev", "lo"])?;
+        let ip6 = if self.ipv6 {
+            let ip6 = format!("fd00:10:244:2::{host}");
+            self.node.exec(&["ip", "-6", "addr", "add", "fd00:192:168:250::1/64", "dev", "n2", "nodad"])?;
+            self.node.exec(&["ip", "-6", "route", "add", "fd00:10:244:2::/64", "via", "fd00:192:168:250::2"])?;
+            self.node.exec(&["sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"])?;
+            netns.exec(&["ip", "-6", "addr", "add", "fd00:192:168:250::2/64", "dev", "eth0", "nodad"])?;
+            netns.exec(&["ip", "-6", "addr", "add", &format!("{ip6}/128"), "dev", "lo", "nodad"])?;
+            wait_ipv6_ready(&netns)?;
+            wait_ipv6_ready(&self.node)?;
+            Some(ip6)
+        } else {
+            None
+        };
         for cidr in reachable {
             // From the pod address, as from a pod whose only interface holds it (a UDP server
             // bound to 0.0.0.0 answers from the route's source).
-            netns.exec(&["ip", "route", "add", cidr, "via", "192.168.250.1", "src", &ip])?;
+            match (cidr.contains(':'), &ip6) {
+                (false, _) => netns.exec(&["ip", "route", "add", cidr, "via", "192.168.250.1", "src", &ip])?,
+                (true, Some(ip6)) => netns.exec(&["ip", "-6", "route", "add", cidr, "via", "fd00:192:168:250::1", "src", ip6])?,
+                (true, None) => bail!("an IPv6 route back ({cidr}) needs Topology::enable_ipv6 first"),
+            };
         }
-        self.pods.push(Pod { name: name.to_owned(), ip, ip6: None, netns });
+        self.pods.push(Pod { name: name.to_owned(), ip, ip6, netns });
         Ok(self.pods.last().expect("just pushed"))
     }
 }

@@ -7,12 +7,17 @@ use std::time::{Duration, Instant};
 
 use e2e::agent::{Agent, AgentDir};
 use e2e::probe::{self, Server, Summary};
-use e2e::topology::{Topology, EXT_CLIENT_IP6, EXT_NODE_IP6, NODE_IP6};
+use e2e::topology::{ExternalClient, Topology, EXT_CLIENT_IP6, EXT_NODE_IP6, NODE_IP6};
 
 const VIP4: &str = "10.96.0.10";
 const VIP6: &str = "fd00:96::10";
 const ONLY6_VIP: &str = "fd00:96::20";
 const EMPTY6_VIP: &str = "fd00:96::30";
+const STICKY6_VIP: &str = "fd00:96::40";
+/// An externalIP and a LoadBalancer IP of `sticky6`, routed by the external client through
+/// the node.
+const EXTERNAL_IP6: &str = "fd00:192:168:241::10";
+const LB_IP6: &str = "fd00:192:168:242::10";
 const NODE_PORT: u16 = 30091;
 const EMPTY_NODE_PORT: u16 = 30092;
 
@@ -72,6 +77,22 @@ spec:
   ports:
   - {{name: http, port: 80, protocol: TCP, nodePort: {EMPTY_NODE_PORT}}}
   - {{name: dns, port: 53, protocol: UDP, nodePort: {EMPTY_NODE_PORT}}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: sticky6, namespace: demo}}
+spec:
+  ipFamilies: [IPv6]
+  clusterIP: "{STICKY6_VIP}"
+  clusterIPs: ["{STICKY6_VIP}"]
+  type: LoadBalancer
+  allocateLoadBalancerNodePorts: false
+  externalIPs: ["{EXTERNAL_IP6}"]
+  sessionAffinity: ClientIP
+  ports: [{{name: http, port: 80, targetPort: 8080, protocol: TCP}}]
+status:
+  loadBalancer:
+    ingress: [{{ip: "{LB_IP6}"}}]
 "#
     );
     [
@@ -79,6 +100,7 @@ spec:
         slice("web", "web-v4", "IPv4", &["10.244.1.11", "10.244.1.12"]),
         slice("web", "web-v6", "IPv6", v6_backends),
         slice("only6", "only6-v6", "IPv6", v6_backends),
+        slice("sticky6", "sticky6-v6", "IPv6", v6_backends),
     ]
     .concat()
 }
@@ -125,14 +147,7 @@ impl Env {
 
     /// The dump's entries for `ip:port/PROTO`, one per scope.
     fn entries(&self, ip: &str, port: u16, protocol: &str) -> Vec<serde_json::Value> {
-        let dump = self.agent.dump().expect("dump");
-        dump["services"]
-            .as_array()
-            .expect("services")
-            .iter()
-            .filter(|s| s["ip"] == ip && s["port"] == port && s["protocol"] == protocol)
-            .cloned()
-            .collect()
+        self.agent.entries(ip, port, protocol)
     }
 }
 
@@ -210,8 +225,9 @@ fn ipv6_services_survive_an_agent_crash_and_follow_endpoint_changes_after_the_re
     assert_spread(&env.probe("tcp", &format!("{VIP4}:80"), 40), 40);
 }
 
-#[test]
-fn an_external_ipv6_client_reaches_a_node_port_over_tcp_and_udp_and_is_refused_without_endpoints() {
+/// [`Env`] plus an external client with IPv6 on its link to the node, whose link carries the
+/// packet-level programs.
+fn with_external_client() -> (Env, ExternalClient) {
     let mut client = None;
     let env = Env::with(|topo| {
         let ext = topo.add_external_client("ext").expect("external client");
@@ -220,7 +236,37 @@ fn an_external_ipv6_client_reaches_a_node_port_over_tcp_and_udp_and_is_refused_w
         client = Some(ext);
         vec![interfaces]
     });
-    let client = client.expect("client");
+    (env, client.expect("client"))
+}
+
+#[test]
+fn an_external_ipv6_client_sticks_to_one_backend_of_an_external_ip_and_a_load_balancer_ip() {
+    let (env, client) = with_external_client();
+    for (ip, cidr) in [(EXTERNAL_IP6, "fd00:192:168:241::/64"), (LB_IP6, "fd00:192:168:242::/64")] {
+        client.netns.exec(&["ip", "-6", "route", "add", cidr, "via", EXT_NODE_IP6]).expect("route");
+        let started = Instant::now();
+        while !env.entries(ip, 80, "TCP").iter().any(|e| e["scope"] == "external") {
+            assert!(started.elapsed() < Duration::from_secs(5), "no external frontend {ip}\n{}", env.agent.log_text());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // sessionAffinity: ClientIP, by the client's IPv6 address on the packet path.
+        let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
+        let summary = probe::client_with(command, "tcp", &format!("[{ip}]:80"), 15).expect("probe");
+        assert_eq!(summary.ok, 15, "{summary:?}");
+        assert!(summary.answered_by("be1") == 15 || summary.answered_by("be2") == 15, "15 identical answers: {summary:?}");
+        let dump = env.agent.dump().expect("dump");
+        let affinity = dump["affinity"].as_array().expect("affinity");
+        assert!(
+            affinity.iter().any(|a| a["client"].as_str().unwrap_or("").starts_with("ipv6-folded:")
+                && a["frontend"] == format!("[{ip}]:80").as_str()),
+            "an affinity entry for the IPv6 client: {affinity:#?}"
+        );
+    }
+}
+
+#[test]
+fn an_external_ipv6_client_reaches_a_node_port_over_tcp_and_udp_and_is_refused_without_endpoints() {
+    let (env, client) = with_external_client();
     let started = Instant::now();
     while !env.entries(EXT_NODE_IP6, NODE_PORT, "TCP").iter().any(|e| e["scope"] == "external") {
         assert!(started.elapsed() < Duration::from_secs(5), "no external IPv6 NodePort\n{}", env.agent.log_text());
@@ -260,4 +306,56 @@ fn an_external_ipv6_client_reaches_a_node_port_over_tcp_and_udp_and_is_refused_w
             && f["frontend"] == format!("[{EXT_NODE_IP6}]:{NODE_PORT}").as_str()),
         "no tracked IPv6 flow: {flows:#?}"
     );
+}
+
+const FAR6_VIP: &str = "fd00:96::50";
+const FAR_NODE_PORT: u16 = 30093;
+
+#[test]
+fn an_ipv6_node_port_to_a_backend_on_another_node_is_snated_and_the_answers_reach_the_client() {
+    let mut topo = Topology::new().expect("topology");
+    topo.enable_ipv6().expect("IPv6 on the node");
+    let client = topo.add_external_client("ext").expect("external client");
+    topo.enable_external_ipv6(&client).expect("IPv6 on the client's link");
+    // The other node routes back to this node's NodePort address only, not to the client: an
+    // answer reaches the client only if the request came from the node (SNAT).
+    let far = topo.add_remote_pod("far", 10, &[&format!("{EXT_NODE_IP6}/128")]).expect("remote pod");
+    let far_ip = far.ip6.clone().expect("IPv6 on the other node");
+    let _server = probe::serve(&topo, "far", "far", &[8080], &[5353]).expect("server on the other node");
+    let service = format!(
+        r#"---
+apiVersion: v1
+kind: Service
+metadata: {{name: far6, namespace: demo}}
+spec:
+  type: NodePort
+  ipFamilies: [IPv6]
+  clusterIP: "{FAR6_VIP}"
+  clusterIPs: ["{FAR6_VIP}"]
+  ports:
+  - {{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: {FAR_NODE_PORT}}}
+  - {{name: dns, port: 53, targetPort: 5353, protocol: UDP, nodePort: {FAR_NODE_PORT}}}
+"#
+    );
+    let endpoints = slice("far6", "far6-v6", "IPv6", &[&far_ip]).replace("nodeName: node-1", "nodeName: node-2");
+    assert!(endpoints.contains("nodeName: node-2"), "{endpoints}");
+    let dir = AgentDir::new(&topo.id).expect("agent dir");
+    dir.write_manifest(&format!("{service}{endpoints}")).expect("manifest");
+    // Replies from the other node arrive on n2: the programs go there too.
+    let interfaces = format!("--interfaces={},n2", client.node_interface);
+    let agent = Agent::start_file_in_node(&topo, &dir, &[&interfaces]).expect("agent");
+    let started = Instant::now();
+    while !agent.entries(EXT_NODE_IP6, FAR_NODE_PORT, "TCP").iter().any(|e| e["scope"] == "external") {
+        assert!(started.elapsed() < Duration::from_secs(5), "no external IPv6 NodePort\n{}", agent.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for kind in ["tcp", "udp"] {
+        let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
+        let summary = probe::client_with(command, kind, &format!("[{EXT_NODE_IP6}]:{FAR_NODE_PORT}"), 30).expect("probe");
+        assert_eq!((summary.ok, summary.answered_by("far")), (30, 30), "{kind} to the other node: {summary:?}");
+    }
+    let dump = agent.dump().expect("dump");
+    let counter = |name: &str| dump["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}"));
+    assert!(counter("tc_snat") >= 60 && counter("tc_snat_reply") >= 60, "{:#}", dump["counters"]);
+    assert_eq!(counter("tc_fib_fail"), 0, "{:#}", dump["counters"]);
 }

@@ -120,14 +120,7 @@ impl Env {
 
     /// The dump's entries for `ip:port/PROTO`, one per scope.
     fn entries(&self, ip: &str, port: u16, protocol: &str) -> Vec<serde_json::Value> {
-        let dump = self.agent.dump().expect("dump");
-        dump["services"]
-            .as_array()
-            .expect("services")
-            .iter()
-            .filter(|s| s["ip"] == ip && s["port"] == port && s["protocol"] == protocol)
-            .cloned()
-            .collect()
+        self.agent.entries(ip, port, protocol)
     }
 
     fn wait_for(&self, what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
