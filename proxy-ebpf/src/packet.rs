@@ -13,7 +13,7 @@ use aya_ebpf::{
 use proxy_abi::{IPPROTO_TCP, IPPROTO_UDP};
 
 pub const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IP: u16 = 0x0800;
 const IPV4_MIN_HLEN: usize = 20;
 pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IP_SADDR_OFF: usize = ETH_HLEN + 12;
@@ -166,12 +166,9 @@ fn parse_icmp_error(ctx: &TcContext, daddr_be: u32, l4_off: usize, ip_end: usize
 }
 
 #[inline(always)]
+/// An IPv4 frame (the caller has checked the ethertype).
 pub fn parse(ctx: &TcContext) -> Parsed {
     let len = ctx.len() as usize;
-    let Ok(ethertype) = ctx.load::<u16>(12) else { return Parsed::NotOurs };
-    if u16::from_be(ethertype) != ETH_P_IP {
-        return Parsed::NotOurs;
-    }
     if len < ETH_HLEN + IPV4_MIN_HLEN {
         return Parsed::BadHeader;
     }

@@ -7,13 +7,16 @@
 //! for their timeouts.
 
 use aya_ebpf::{
-    bindings::TC_ACT_REDIRECT,
+    bindings::{TC_ACT_REDIRECT, TC_ACT_SHOT},
     helpers::{bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes},
     macros::map,
     maps::PerCpuArray,
     programs::TcContext,
 };
 
+use proxy_abi::stat;
+
+use crate::maps::count;
 use crate::packet::{csum_add, csum_finish, Flow, ETH_HLEN};
 
 const IPV4_HLEN: usize = 20;
@@ -28,6 +31,22 @@ const ICMP_PORT_UNREACH: u8 = 3;
 
 /// Could not build the reply (IP options, or a helper failed): the caller drops the packet.
 pub struct NoReply;
+
+/// The verdict for a new flow to a frontend without backends, either family: the reply built by
+/// `port_unreachable`/`port_unreachable6`, or a drop when none could be built. Both are counted.
+#[inline(always)]
+pub fn no_backend_verdict(reply: Result<i32, NoReply>) -> i32 {
+    match reply {
+        Ok(verdict) => {
+            count(stat::TC_NO_BACKEND_REJECT);
+            verdict
+        }
+        Err(NoReply) => {
+            count(stat::TC_NO_BACKEND_DROP);
+            TC_ACT_SHOT as i32
+        }
+    }
+}
 
 /// Rewrites the packet into an ICMP port unreachable from the frontend to the client and
 /// redirects it out of the ingress interface. Only for packets without IP options (the quote

@@ -24,10 +24,11 @@ use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
     helpers::bpf_get_prandom_u32,
     macros::classifier,
+    maps::HashMap,
     programs::TcContext,
 };
 use proxy_abi::{
-    backend_flags, ct, maglev, stat, svc_flags, Backend4, CtEntry4, CtKey4, ServiceKey4, ServiceValue4, IPPROTO_TCP,
+    backend_flags, ct, maglev, stat, svc_flags, BackendId, CtEntry4, CtKey4, ServiceKey4, ServiceValue4, IPPROTO_TCP,
     SCOPE_EXTERNAL,
 };
 
@@ -36,8 +37,9 @@ use crate::affinity;
 use crate::maps::{count, BACKENDS4, CT4, IFADDR4, MAGLEV4, SERVICES4};
 use crate::packet::{
     parse, rewrite_addr, rewrite_inner_addr, rewrite_inner_port, rewrite_outer_daddr, rewrite_port, Flow,
-    IcmpError, Parsed, RewriteFailed, IP_DADDR_OFF, IP_SADDR_OFF, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+    IcmpError, Parsed, RewriteFailed, ETH_P_IP, IP_DADDR_OFF, IP_SADDR_OFF, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
 };
+use crate::packet6::ETH_P_IPV6;
 use crate::{reject, route};
 
 const PASS: i32 = TC_ACT_OK as i32;
@@ -45,23 +47,26 @@ const DROP: i32 = TC_ACT_SHOT as i32;
 
 #[classifier]
 pub fn epx_tc_ingress(ctx: TcContext) -> i32 {
-    if is_ipv6(&ctx) {
-        return crate::tc6::ingress6(&ctx);
+    match ethertype(&ctx) {
+        Some(ETH_P_IP) => ingress(&ctx),
+        Some(ETH_P_IPV6) => crate::tc6::ingress6(&ctx),
+        _ => PASS,
     }
-    ingress(&ctx)
 }
 
 #[classifier]
 pub fn epx_tc_egress(ctx: TcContext) -> i32 {
-    if is_ipv6(&ctx) {
-        return crate::tc6::egress6(&ctx);
+    match ethertype(&ctx) {
+        Some(ETH_P_IP) => egress(&ctx),
+        Some(ETH_P_IPV6) => crate::tc6::egress6(&ctx),
+        _ => PASS,
     }
-    egress(&ctx)
 }
 
+/// The frame's ethertype, read once per packet: the family's parser trusts it.
 #[inline(always)]
-fn is_ipv6(ctx: &TcContext) -> bool {
-    ctx.load::<u16>(12).is_ok_and(|ethertype| u16::from_be(ethertype) == crate::packet6::ETH_P_IPV6)
+fn ethertype(ctx: &TcContext) -> Option<u16> {
+    ctx.load::<u16>(12).ok().map(u16::from_be)
 }
 
 /// The verdict for a packet that is not a TCP/UDP flow (nor an ICMP error about one): it
@@ -110,22 +115,13 @@ fn ingress(ctx: &TcContext) -> i32 {
         target
     } else {
         if frontend.count == 0 {
-            return match reject::port_unreachable(ctx, &flow) {
-                Ok(verdict) => {
-                    count(stat::TC_NO_BACKEND_REJECT);
-                    verdict
-                }
-                Err(reject::NoReply) => {
-                    count(stat::TC_NO_BACKEND_DROP);
-                    DROP
-                }
-            };
+            return reject::no_backend_verdict(reject::port_unreachable(ctx, &flow));
         }
         // sessionAffinity: ClientIP, by the client's source address.
         let affinity_key = affinity::key(&frontend, u64::from(flow.saddr_be), proxy_abi::affinity::CLIENT_IP4);
         let (backend_id, backend) = match affinity_key.as_ref().and_then(|k| affinity::remembered(k, &frontend)) {
             Some(chosen) => chosen,
-            None => match maglev_pick(&flow, &frontend) {
+            None => match maglev_pick(&frontend, || maglev::flow_hash(flow.saddr_be, flow.sport_be, flow.dport_be, flow.proto), &BACKENDS4) {
                 Some(chosen) => chosen,
                 None => {
                     key.backend_slot = (unsafe { bpf_get_prandom_u32() } % u32::from(frontend.count)) as u16 + 1;
@@ -202,15 +198,20 @@ fn ingress(ctx: &TcContext) -> i32 {
     forward_routed(ctx, flow.proto, snat_addr_be, target.addr_be)
 }
 
-/// The backend of a new flow from the frontend's Maglev table (`--lb-algorithm maglev`): the
-/// same flow hash gives the same backend on every node that has the same backend set. None when
-/// the frontend does not use Maglev, or (counted) when its table is missing mid-update.
+/// The backend of a new flow from the frontend's Maglev table (`--lb-algorithm maglev`), for
+/// both families: the same flow hash gives the same backend on every node that has the same
+/// backend set. None when the frontend does not use Maglev (the hash is not computed then), or
+/// (counted) when its table or the backend is missing mid-update.
 #[inline(always)]
-fn maglev_pick(flow: &Flow, frontend: &ServiceValue4) -> Option<(u32, Backend4)> {
+pub(crate) fn maglev_pick<B: Copy>(
+    frontend: &ServiceValue4,
+    hash: impl FnOnce() -> u32,
+    backends: &HashMap<BackendId, B>,
+) -> Option<(u32, B)> {
     if frontend.flags & svc_flags::MAGLEV == 0 {
         return None;
     }
-    let hash = maglev::flow_hash(flow.saddr_be, flow.sport_be, flow.dport_be, flow.proto);
+    let hash = hash();
     let chosen = MAGLEV4.get_ptr(&u32::from(frontend.rev_nat_id)).and_then(|table| {
         // The compiler turns `% TABLE_SIZE` into a multiply-and-shift whose bound the verifier
         // cannot follow, and then drops the bound check as redundant: hiding the slot from the
@@ -218,7 +219,7 @@ fn maglev_pick(flow: &Flow, frontend: &ServiceValue4) -> Option<(u32, Backend4)>
         let slot = maglev::slot(hash);
         let slot = unsafe { core::ptr::read_volatile(&slot) };
         let backend_id = *unsafe { &(*table).backend_ids }.get(slot)?;
-        let backend = BACKENDS4.get_ptr(&backend_id)?;
+        let backend = backends.get_ptr(&backend_id)?;
         Some((backend_id, unsafe { *backend }))
     });
     count(if chosen.is_some() { stat::TC_MAGLEV_PICK } else { stat::TC_MAGLEV_MISS });

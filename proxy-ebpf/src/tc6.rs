@@ -24,7 +24,7 @@ use proxy_abi::{
 
 use crate::affinity;
 use crate::ct::{is_expired6, now_ns, reply_key_of6, tcp_seen_after};
-use crate::maps::{count, BACKENDS6, CT6, IFADDR6, MAGLEV4, SERVICES6};
+use crate::maps::{count, BACKENDS6, CT6, IFADDR6, SERVICES6};
 use crate::packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 use crate::packet6::{
     parse6, rewrite_addr6, rewrite_inner_addr6, rewrite_inner_port6, rewrite_outer_daddr6, rewrite_port6, Flow6,
@@ -107,16 +107,7 @@ pub fn ingress6(ctx: &TcContext) -> i32 {
     if tracked6(w, now) {
         count(stat::TC_CT_HIT);
     } else if frontend.count == 0 {
-        return match reject::port_unreachable6(ctx, w.parsed.flow.l4_off) {
-            Ok(verdict) => {
-                count(stat::TC_NO_BACKEND_REJECT);
-                verdict
-            }
-            Err(reject::NoReply) => {
-                count(stat::TC_NO_BACKEND_DROP);
-                DROP
-            }
-        };
+        return reject::no_backend_verdict(reject::port_unreachable6(ctx, w.parsed.flow.l4_off));
     } else if !new_flow6(ctx, w, &frontend, now) {
         return DROP;
     }
@@ -179,7 +170,7 @@ fn new_flow6(ctx: &TcContext, w: &mut Work6, frontend: &ServiceValue4, now: u64)
     let affinity_key = affinity::key(frontend, folded(&flow.saddr), proxy_abi::affinity::CLIENT_IP6);
     let chosen = match affinity_key.as_ref().and_then(|k| affinity::remembered6(k, frontend)) {
         Some(chosen) => Some(chosen),
-        None => match maglev_pick6(flow, frontend) {
+        None => match crate::tc::maglev_pick(frontend, || maglev::flow_hash6(&flow.saddr, flow.sport_be, flow.dport_be, flow.proto), &BACKENDS6) {
             Some(chosen) => Some(chosen),
             None => random_pick6(&mut w.svc, frontend),
         },
@@ -251,24 +242,6 @@ fn random_pick6(svc: &mut ServiceKey6, frontend: &ServiceValue4) -> Option<(u32,
     let backend_id = unsafe { (*slot).backend_id };
     let backend = BACKENDS6.get_ptr(&backend_id)?;
     Some((backend_id, unsafe { *backend }))
-}
-
-#[inline(always)]
-fn maglev_pick6(flow: &Flow6, frontend: &ServiceValue4) -> Option<(u32, Backend6)> {
-    if frontend.flags & svc_flags::MAGLEV == 0 {
-        return None;
-    }
-    let hash = maglev::flow_hash6(&flow.saddr, flow.sport_be, flow.dport_be, flow.proto);
-    let chosen = MAGLEV4.get_ptr(&u32::from(frontend.rev_nat_id)).and_then(|table| {
-        // See `tc::maglev_pick`: keeps the bound check the verifier needs.
-        let slot = maglev::slot(hash);
-        let slot = unsafe { core::ptr::read_volatile(&slot) };
-        let backend_id = *unsafe { &(*table).backend_ids }.get(slot)?;
-        let backend = BACKENDS6.get_ptr(&backend_id)?;
-        Some((backend_id, unsafe { *backend }))
-    });
-    count(if chosen.is_some() { stat::TC_MAGLEV_PICK } else { stat::TC_MAGLEV_MISS });
-    chosen
 }
 
 /// Sets `entry.snat_port_be` to a source port no other flow to the same backend uses on
