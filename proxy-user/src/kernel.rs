@@ -703,47 +703,26 @@ pub fn purge_stale_flows(bpffs: &Path) -> Result<PurgedFlows, DatapathError> {
         .filter_map(|(k, v)| Some((*rev_nat_of.get(&k.with_slot(0))?, v.backend_id)))
         .collect();
 
-    let mut purged = PurgedFlows::default();
-    let mut affinity =
-        open_pinned_hash::<proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>(bpffs, map_name::AFFINITY4)?;
-    let stale: Vec<_> = affinity
-        .iter()
-        .filter_map(Result::ok)
-        .filter(|(k, v)| !live.contains(&(k.rev_nat_id, v.backend_id)))
-        .map(|(k, _)| k)
-        .collect();
-    for key in stale {
-        // Already evicted or expired meanwhile: fine either way.
-        if affinity.remove(&key).is_ok() {
-            purged.affinity += 1;
-        }
-    }
+    let live_pair = |rev_nat_id: RevNatId, backend_id: BackendId| live.contains(&(rev_nat_id, backend_id));
+    let udp = proxy_abi::IPPROTO_UDP;
+    Ok(PurgedFlows {
+        affinity: remove_where(
+            &mut open_pinned_hash::<proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>(bpffs, map_name::AFFINITY4)?,
+            |k, v| !live_pair(k.rev_nat_id, v.backend_id),
+        ),
+        udp_conntrack: remove_where(&mut open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?, |k, v| {
+            k.proto == udp && !live_pair(v.rev_nat_id, v.backend_id)
+        }) + remove_where(&mut open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?, |k, v| {
+            k.proto == udp && !live_pair(v.rev_nat_id, v.backend_id)
+        }),
+    })
+}
 
-    let mut ct = open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?;
-    let stale: Vec<_> = ct
-        .iter()
-        .filter_map(Result::ok)
-        .filter(|(k, v)| k.proto == proxy_abi::IPPROTO_UDP && !live.contains(&(v.rev_nat_id, v.backend_id)))
-        .map(|(k, _)| k)
-        .collect();
-    for key in stale {
-        if ct.remove(&key).is_ok() {
-            purged.udp_conntrack += 1;
-        }
-    }
-    let mut ct6 = open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?;
-    let stale: Vec<_> = ct6
-        .iter()
-        .filter_map(Result::ok)
-        .filter(|(k, v)| k.proto == proxy_abi::IPPROTO_UDP && !live.contains(&(v.rev_nat_id, v.backend_id)))
-        .map(|(k, _)| k)
-        .collect();
-    for key in stale {
-        if ct6.remove(&key).is_ok() {
-            purged.udp_conntrack += 1;
-        }
-    }
-    Ok(purged)
+/// Removes the entries `stale` picks from a live map; returns how many it removed. An entry the
+/// kernel evicted or expired meanwhile is not counted, and is fine either way.
+fn remove_where<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, stale: impl Fn(&K, &V) -> bool) -> usize {
+    let keys: Vec<K> = map.iter().filter_map(Result::ok).filter(|(k, v)| stale(k, v)).map(|(k, _)| k).collect();
+    keys.iter().filter(|key| map.remove(key).is_ok()).count()
 }
 
 /// Detaches (by unpinning the links) and unpins everything under `bpffs`. Returns what it removed.

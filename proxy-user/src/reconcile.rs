@@ -311,10 +311,12 @@ impl<M: LbMaps> Reconciler<M> {
         }
 
         self.collect_garbage(&mut report);
-        // Forget tables of backend sets no frontend has any more.
-        let sets: BTreeSet<Vec<BackendAddr>> =
-            desired.frontends.values().map(|spec| spec.backends.iter().map(|b| b.addr).collect()).collect();
-        self.maglev_memo.retain(|set, _| sets.contains(set));
+        // Forget tables of backend sets no frontend has any more (none are kept with `random`).
+        if !self.maglev_memo.is_empty() {
+            let sets: BTreeSet<Vec<BackendAddr>> =
+                desired.frontends.values().map(|spec| spec.backends.iter().map(|b| b.addr).collect()).collect();
+            self.maglev_memo.retain(|set, _| sets.contains(set));
+        }
         report
     }
 
