@@ -322,6 +322,35 @@ impl Agent {
         dump(&self.bpffs)
     }
 
+    /// Waits (up to 5 s) until the external frontend `ip:port` (a NodePort on a node address, an
+    /// externalIP, a LoadBalancer IP) of any protocol is in the maps; panics with the dump and
+    /// the agent's log otherwise.
+    pub fn wait_for_external_frontend(&self, ip: &str, port: u16) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let dump = self.dump().expect("dump");
+            let services = dump["services"].as_array().into_iter().flatten();
+            if services.clone().any(|s| s["ip"] == ip && s["port"] == port && s["scope"] == "external") {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no external frontend {ip}:{port} after 5 s: {dump:#}\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    /// Waits (up to 5 s) until the agent's log contains `text`; panics with the log otherwise.
+    pub fn wait_for_log(&self, text: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !self.log_text().contains(text) {
+            assert!(std::time::Instant::now() < deadline, "no {text:?} in the log after 5 s:\n{}", self.log_text());
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
     /// The dump's service entries for `ip:port/PROTOCOL`, one per scope.
     pub fn entries(&self, ip: &str, port: u16, protocol: &str) -> Vec<serde_json::Value> {
         let dump = self.dump().expect("dump");

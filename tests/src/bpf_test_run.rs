@@ -14,7 +14,7 @@ use aya::maps::{HashMap, MapData, PerCpuArray};
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 use proxy_abi::{
-    map_name, stat, Backend4, Backend6, BackendId, CtEntry4, CtEntry6, CtKey4, CtKey6, IfAddr4, MaglevTable4,
+    map_name, stat, Backend4, Backend6, BackendId, CtEntry4, CtEntry6, CtKey4, CtKey6, IfAddr4, IfAddr6, MaglevTable4,
     ServiceKey4, ServiceKey6, ServiceValue4, SCOPE_EXTERNAL,
 };
 
@@ -157,6 +157,12 @@ impl TcPrograms {
     pub fn put_interface_address(&mut self, ifindex: u32, addr: Ipv4Addr) -> anyhow::Result<()> {
         let value = IfAddr4 { addr_be: u32::from(addr).to_be() };
         self.hash::<u32, IfAddr4>(map_name::IFADDR4)?.insert(ifindex, value, 0)?;
+        Ok(())
+    }
+
+    /// [`TcPrograms::put_interface_address`] for IPv6.
+    pub fn put_interface_address6(&mut self, ifindex: u32, addr: Ipv6Addr) -> anyhow::Result<()> {
+        self.hash::<u32, IfAddr6>(map_name::IFADDR6)?.insert(ifindex, IfAddr6 { addr: words6(&addr) }, 0)?;
         Ok(())
     }
 

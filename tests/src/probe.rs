@@ -185,6 +185,16 @@ pub fn client_with_args(
     serde_json::from_str(text.trim()).with_context(|| format!("parsing probe output {text:?}"))
 }
 
+/// The name of the server that answers one datagram of the UDP flow from `source_port` to `to`:
+/// called again with the same port, it is the same flow (the same conntrack entry).
+pub fn udp_flow_answer(command: std::process::Command, to: &str, source_port: u16) -> anyhow::Result<String> {
+    let summary = client_with_args(command, "udp", to, 1, &["--source-port", &source_port.to_string()])?;
+    match summary.sequence.as_slice() {
+        [name] if summary.ok == 1 => Ok(name.clone()),
+        _ => bail!("no answer from {to} to source port {source_port}: {summary:?}"),
+    }
+}
+
 pub fn tcp(topology: &Topology, pod: &str, to: &str, count: u32) -> anyhow::Result<Summary> {
     client(topology, pod, "tcp", to, count)
 }

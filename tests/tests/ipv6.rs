@@ -40,6 +40,11 @@ ports:
 /// `web`: dual-stack NodePort (IPv4 and IPv6 ClusterIPs); `only6`: single-stack IPv6;
 /// `empty6`: IPv6 without endpoints. be1 and be2 behind each, in both families.
 fn manifest(v6_backends: &[&str]) -> String {
+    manifest_split(v6_backends, v6_backends)
+}
+
+/// [`manifest`] with `web`'s IPv6 endpoints apart from those of the other Services.
+fn manifest_split(web_v6: &[&str], v6_backends: &[&str]) -> String {
     let services = format!(
         r#"---
 apiVersion: v1
@@ -98,7 +103,7 @@ status:
     [
         services,
         slice("web", "web-v4", "IPv4", &["10.244.1.11", "10.244.1.12"]),
-        slice("web", "web-v6", "IPv6", v6_backends),
+        slice("web", "web-v6", "IPv6", web_v6),
         slice("only6", "only6-v6", "IPv6", v6_backends),
         slice("sticky6", "sticky6-v6", "IPv6", v6_backends),
     ]
@@ -244,11 +249,7 @@ fn an_external_ipv6_client_sticks_to_one_backend_of_an_external_ip_and_a_load_ba
     let (env, client) = with_external_client();
     for (ip, cidr) in [(EXTERNAL_IP6, "fd00:192:168:241::/64"), (LB_IP6, "fd00:192:168:242::/64")] {
         client.netns.exec(&["ip", "-6", "route", "add", cidr, "via", EXT_NODE_IP6]).expect("route");
-        let started = Instant::now();
-        while !env.entries(ip, 80, "TCP").iter().any(|e| e["scope"] == "external") {
-            assert!(started.elapsed() < Duration::from_secs(5), "no external frontend {ip}\n{}", env.agent.log_text());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        env.agent.wait_for_external_frontend(ip, 80);
         // sessionAffinity: ClientIP, by the client's IPv6 address on the packet path.
         let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
         let summary = probe::client_with(command, "tcp", &format!("[{ip}]:80"), 15).expect("probe");
@@ -267,11 +268,7 @@ fn an_external_ipv6_client_sticks_to_one_backend_of_an_external_ip_and_a_load_ba
 #[test]
 fn an_external_ipv6_client_reaches_a_node_port_over_tcp_and_udp_and_is_refused_without_endpoints() {
     let (env, client) = with_external_client();
-    let started = Instant::now();
-    while !env.entries(EXT_NODE_IP6, NODE_PORT, "TCP").iter().any(|e| e["scope"] == "external") {
-        assert!(started.elapsed() < Duration::from_secs(5), "no external IPv6 NodePort\n{}", env.agent.log_text());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    env.agent.wait_for_external_frontend(EXT_NODE_IP6, NODE_PORT);
     let from_client = |kind: &str, port: u16, count: u32| {
         let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
         probe::client_with(command, kind, &format!("[{EXT_NODE_IP6}]:{port}"), count).expect("probe")
@@ -310,9 +307,11 @@ fn an_external_ipv6_client_reaches_a_node_port_over_tcp_and_udp_and_is_refused_w
 
 const FAR6_VIP: &str = "fd00:96::50";
 const FAR_NODE_PORT: u16 = 30093;
+/// An externalIP of `far6`: SNATed to the IPv6 address of the interface it arrives on.
+const FAR_EXTERNAL_IP6: &str = "fd00:192:168:241::20";
 
 #[test]
-fn an_ipv6_node_port_to_a_backend_on_another_node_is_snated_and_the_answers_reach_the_client() {
+fn an_ipv6_node_port_and_external_ip_to_a_backend_on_another_node_are_snated_and_the_answers_reach_the_client() {
     let mut topo = Topology::new().expect("topology");
     topo.enable_ipv6().expect("IPv6 on the node");
     let client = topo.add_external_client("ext").expect("external client");
@@ -332,6 +331,7 @@ spec:
   ipFamilies: [IPv6]
   clusterIP: "{FAR6_VIP}"
   clusterIPs: ["{FAR6_VIP}"]
+  externalIPs: ["{FAR_EXTERNAL_IP6}"]
   ports:
   - {{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: {FAR_NODE_PORT}}}
   - {{name: dns, port: 53, targetPort: 5353, protocol: UDP, nodePort: {FAR_NODE_PORT}}}
@@ -344,18 +344,50 @@ spec:
     // Replies from the other node arrive on n2: the programs go there too.
     let interfaces = format!("--interfaces={},n2", client.node_interface);
     let agent = Agent::start_file_in_node(&topo, &dir, &[&interfaces]).expect("agent");
-    let started = Instant::now();
-    while !agent.entries(EXT_NODE_IP6, FAR_NODE_PORT, "TCP").iter().any(|e| e["scope"] == "external") {
-        assert!(started.elapsed() < Duration::from_secs(5), "no external IPv6 NodePort\n{}", agent.log_text());
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    for kind in ["tcp", "udp"] {
+    agent.wait_for_external_frontend(EXT_NODE_IP6, FAR_NODE_PORT);
+    agent.wait_for_external_frontend(FAR_EXTERNAL_IP6, 80);
+    client.netns.exec(&["ip", "-6", "route", "add", "fd00:192:168:241::/64", "via", EXT_NODE_IP6]).expect("route");
+    // The NodePort's flows come from the NodePort address; the externalIP's from the address of
+    // the interface they arrived on (recorded by the agent when it attached), the same one here.
+    let targets = [
+        ("tcp", format!("[{EXT_NODE_IP6}]:{FAR_NODE_PORT}")),
+        ("udp", format!("[{EXT_NODE_IP6}]:{FAR_NODE_PORT}")),
+        ("tcp", format!("[{FAR_EXTERNAL_IP6}]:80")),
+        ("udp", format!("[{FAR_EXTERNAL_IP6}]:53")),
+    ];
+    for (kind, to) in &targets {
         let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
-        let summary = probe::client_with(command, kind, &format!("[{EXT_NODE_IP6}]:{FAR_NODE_PORT}"), 30).expect("probe");
-        assert_eq!((summary.ok, summary.answered_by("far")), (30, 30), "{kind} to the other node: {summary:?}");
+        let summary = probe::client_with(command, kind, to, 30).expect("probe");
+        assert_eq!((summary.ok, summary.answered_by("far")), (30, 30), "{kind} to {to} on the other node: {summary:?}");
     }
     let dump = agent.dump().expect("dump");
     let counter = |name: &str| dump["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}"));
-    assert!(counter("tc_snat") >= 60 && counter("tc_snat_reply") >= 60, "{:#}", dump["counters"]);
+    assert!(counter("tc_snat") >= 120 && counter("tc_snat_reply") >= 120, "{:#}", dump["counters"]);
+    assert_eq!(counter("tc_remote_backend_no_snat"), 0, "{:#}", dump["counters"]);
     assert_eq!(counter("tc_fib_fail"), 0, "{:#}", dump["counters"]);
+}
+
+#[test]
+fn an_external_ipv6_udp_flow_leaves_a_backend_its_service_dropped_while_another_service_keeps_it() {
+    let (env, client) = with_external_client();
+    env.agent.wait_for_external_frontend(EXT_NODE_IP6, NODE_PORT);
+    let to = format!("[{EXT_NODE_IP6}]:{NODE_PORT}");
+    let answer = || probe::udp_flow_answer(client.command(&e2e::bin("epx-probe")).expect("probe command"), &to, 42000).expect("answer");
+    let first = answer();
+    for _ in 0..5 {
+        assert_eq!(answer(), first, "conntrack keeps a UDP flow on its backend");
+    }
+    let (gone, stays, stays_name) = if first == "be1" { (BE1_6, BE2_6, "be2") } else { (BE2_6, BE1_6, "be1") };
+    // `web` drops the flow's backend; `only6` keeps it, so the backend itself stays in the maps
+    // and only the agent's purge of the flow's conntrack entry can move the flow.
+    env.dir.write_manifest(&manifest_split(&[stays], &[BE1_6, BE2_6])).expect("manifest");
+    env.agent.wait_for_log("purged flows of removed backends");
+    for _ in 0..5 {
+        assert_eq!(answer(), stays_name, "the flow must move off {gone}, which web no longer has");
+    }
+    let only6 = env.entries(ONLY6_VIP, 53, "UDP");
+    assert!(
+        only6.iter().all(|e| e["backends"].as_array().is_some_and(|b| b.len() == 2)),
+        "only6 keeps both backends: {only6:#?}"
+    );
 }

@@ -2,7 +2,7 @@
 //! connects to node-address:nodePort; the agent runs in the node namespace with the packet-level
 //! programs on that link (`--interfaces ext0`). Real sockets, real answers from pod backends.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use aya::programs::{SchedClassifier, TcAttachType};
 use e2e::agent::{Agent, AgentDir};
@@ -36,22 +36,6 @@ fn probe_from(client: &ExternalClient, kind: &str, port: u16, count: u32) -> Sum
 fn probe_to(client: &ExternalClient, kind: &str, ip: &str, port: u16, count: u32) -> Summary {
     let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
     probe::client_with(command, kind, &format!("{ip}:{port}"), count).expect("probe")
-}
-
-/// Waits until `dump` shows the external NodePort frontend on the node's link address.
-fn wait_for_frontend(agent: &Agent, ip: &str, port: u16) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let dump = agent.dump().expect("dump");
-        let programmed = dump["services"].as_array().into_iter().flatten().any(|s| {
-            s["ip"] == ip && s["port"] == port && s["scope"] == "external"
-        });
-        if programmed {
-            return;
-        }
-        assert!(Instant::now() < deadline, "no external frontend {ip}:{port} after 5 s: {dump:#}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// Names of the tcx programs on the node's side of the client's link, (ingress, egress); `None`
@@ -105,7 +89,7 @@ fn start(manifest: &str, extra_args: &[&str]) -> Env {
 #[test]
 fn nodeport_from_an_external_client_reaches_pods_over_tcp_and_udp_and_refuses_without_endpoints() {
     let Env { agent, _dir, client, _servers, topo } = start(&manifest(), &[]);
-    wait_for_frontend(&agent, &client.node_ip, TCP_NODE_PORT);
+    agent.wait_for_external_frontend(&client.node_ip, TCP_NODE_PORT);
 
     let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 60);
     assert_eq!(tcp.ok, 60, "TCP to the NodePort from outside: {tcp:?}");
@@ -179,7 +163,7 @@ fn an_external_ip_and_a_load_balancer_ip_serve_tcp_and_udp_from_outside() {
     env.client.route_via_node("192.168.241.0/24").expect("route");
     env.client.route_via_node("192.168.242.0/24").expect("route");
     for ip in [EXTERNAL_IP, LB_IP] {
-        wait_for_frontend(&env.agent, ip, 80);
+        env.agent.wait_for_external_frontend(ip, 80);
         let tcp = probe_to(&env.client, "tcp", ip, 80, 40);
         assert_eq!(tcp.ok, 40, "TCP to {ip}:80 from outside: {tcp:?}");
         assert!(tcp.answered_by("be1") > 0 && tcp.answered_by("be2") > 0, "both backends must serve: {tcp:?}");
@@ -213,7 +197,7 @@ fn nodeport_and_external_ip_to_a_backend_on_another_node_are_snated_and_the_answ
     // Replies from the other node arrive on n2: the programs go there too.
     let interfaces = format!("--interfaces={},n2", client.node_interface);
     let agent = Agent::start_file_in_node(&topo, &dir, &[&interfaces]).expect("agent");
-    wait_for_frontend(&agent, &client.node_ip, 30090);
+    agent.wait_for_external_frontend(&client.node_ip, 30090);
 
     let tcp = probe_from(&client, "tcp", 30090, 30);
     assert_eq!((tcp.ok, tcp.answered_by("far")), (30, 30), "TCP via the NodePort to the other node: {tcp:?}");
@@ -222,7 +206,7 @@ fn nodeport_and_external_ip_to_a_backend_on_another_node_are_snated_and_the_answ
     // The externalIP is no node address: its traffic is SNATed to the address of the interface
     // it arrived on (ext0's), which the other node can answer.
     client.route_via_node("192.168.241.0/24").expect("route");
-    wait_for_frontend(&agent, FAR_EXTERNAL_IP, 80);
+    agent.wait_for_external_frontend(FAR_EXTERNAL_IP, 80);
     let tcp = probe_to(&client, "tcp", FAR_EXTERNAL_IP, 80, 30);
     assert_eq!((tcp.ok, tcp.answered_by("far")), (30, 30), "TCP via the externalIP to the other node: {tcp:?}");
     let udp = probe_to(&client, "udp", FAR_EXTERNAL_IP, 53, 30);
@@ -257,7 +241,7 @@ fn classic_filters(topo: &Topology, client: &ExternalClient, direction: &str) ->
 fn without_tcx_the_programs_go_on_a_clsact_qdisc_and_cleanup_removes_them() {
     // `legacy` takes the path kernels before 6.6 get, on this kernel.
     let Env { mut agent, _dir, client, _servers, topo } = start(&manifest(), &["--tc-attach=legacy"]);
-    wait_for_frontend(&agent, &client.node_ip, TCP_NODE_PORT);
+    agent.wait_for_external_frontend(&client.node_ip, TCP_NODE_PORT);
     assert_eq!(tcx_programs(&topo, &client), (Vec::new(), Vec::new()), "no tcx link in legacy mode");
     assert_eq!((classic_filters(&topo, &client, "ingress"), classic_filters(&topo, &client, "egress")), (1, 1));
     let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 20);
@@ -289,7 +273,7 @@ fn long_lived_streams_from_outside_keep_their_backend_while_the_backend_set_chan
     // and it happened in CI.
     const STREAMS: u32 = 24;
     let env = start(&manifest(), &[]);
-    wait_for_frontend(&env.agent, &env.client.node_ip, TCP_NODE_PORT);
+    env.agent.wait_for_external_frontend(&env.client.node_ip, TCP_NODE_PORT);
     let node = &env.client.node_ip;
     let traffic = SteadyTraffic::start_with(
         env.client.command(&e2e::bin("epx-probe")).expect("probe command"),
@@ -316,7 +300,7 @@ fn session_affinity_keeps_an_external_client_on_one_backend() {
     let sticky = with_affinity(&node_port_service("web", scenario::VIP, TCP_NODE_PORT), 600);
     let manifest = format!("{sticky}---\n{}", slice("web", &["10.244.1.11", "10.244.1.12"]));
     let Env { agent, _dir, client, _servers, topo: _topo } = start(&manifest, &[]);
-    wait_for_frontend(&agent, &client.node_ip, TCP_NODE_PORT);
+    agent.wait_for_external_frontend(&client.node_ip, TCP_NODE_PORT);
 
     // Each connection is a new flow (new source port): only affinity keeps the backend.
     let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 15);
@@ -351,7 +335,7 @@ spec:
     );
     let dns = format!("{service}---\n{}", slice("dns", &["10.244.1.11", "10.244.1.12"]));
     let Env { agent, _dir, client, _servers, topo: _topo } = start(&dns, &[]);
-    wait_for_frontend(&agent, &client.node_ip, TCP_NODE_PORT);
+    agent.wait_for_external_frontend(&client.node_ip, TCP_NODE_PORT);
     let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 30);
     let udp = probe_from(&client, "udp", TCP_NODE_PORT, 30);
     assert_eq!((tcp.ok, udp.ok), (30, 30), "TCP and UDP on one nodePort: {tcp:?} {udp:?}");
@@ -387,8 +371,8 @@ fn external_traffic_policy_local_serves_only_local_endpoints_and_keeps_the_clien
     .expect("manifest");
     let interfaces = format!("--interfaces={},n2", client.node_interface);
     let agent = Agent::start_file_in_node(&topo, &dir, &[&interfaces]).expect("agent");
-    wait_for_frontend(&agent, &client.node_ip, 30100);
-    wait_for_frontend(&agent, &client.node_ip, 30101);
+    agent.wait_for_external_frontend(&client.node_ip, 30100);
+    agent.wait_for_external_frontend(&client.node_ip, 30101);
 
     // Local: only the endpoint on this node, and it sees the client's own address.
     let local = probe_from(&client, "tcp", 30100, 30);
@@ -416,7 +400,7 @@ fn pinned_maglev_table(agent: &Agent, rev_nat_id: u16) -> Vec<u32> {
 #[test]
 fn with_maglev_each_external_flow_goes_to_the_backend_the_table_names_for_its_hash() {
     let Env { agent, _dir, client, _servers, topo: _topo } = start(&manifest(), &["--lb-algorithm=maglev"]);
-    wait_for_frontend(&agent, &client.node_ip, UDP_NODE_PORT);
+    agent.wait_for_external_frontend(&client.node_ip, UDP_NODE_PORT);
     let dump = agent.dump().expect("dump");
     let services = dump["services"].as_array().expect("services");
     let frontend = services
@@ -471,4 +455,35 @@ fn with_maglev_each_external_flow_goes_to_the_backend_the_table_names_for_its_ha
     let tcp = probe_from(&client, "tcp", TCP_NODE_PORT, 40);
     assert_eq!(tcp.ok, 40, "{tcp:?}");
     assert!(tcp.answered_by("be1") > 0 && tcp.answered_by("be2") > 0, "{tcp:?}");
+}
+
+#[test]
+fn an_external_udp_flow_leaves_a_backend_its_service_dropped_while_another_service_keeps_it() {
+    // `twin` has the same endpoints as `web`: its backends are the same entries in the maps.
+    let twin = |backends: &[&str]| {
+        let service = node_port_service("twin", "10.96.0.30", 30110);
+        format!("---\n{service}---\n{}", slice("twin", backends))
+    };
+    let both = ["10.244.1.11", "10.244.1.12"];
+    let env = start(&format!("{}{}", manifest(), twin(&both)), &[]);
+    env.agent.wait_for_external_frontend(&env.client.node_ip, UDP_NODE_PORT);
+    let to = format!("{}:{UDP_NODE_PORT}", env.client.node_ip);
+    let answer = || probe::udp_flow_answer(env.client.command(&e2e::bin("epx-probe")).expect("probe command"), &to, 42000).expect("answer");
+    let first = answer();
+    for _ in 0..5 {
+        assert_eq!(answer(), first, "conntrack keeps a UDP flow on its backend");
+    }
+    let (stays, stays_name) = if first == "be1" { (both[1], "be2") } else { (both[0], "be1") };
+    // `web` drops the flow's backend, `twin` keeps it: only the agent's purge of the flow's
+    // conntrack entry can move the flow.
+    env._dir.write_manifest(&format!("{}{}", manifest_with(&[stays]), twin(&both))).expect("manifest");
+    env.agent.wait_for_log("purged flows of removed backends");
+    for _ in 0..5 {
+        assert_eq!(answer(), stays_name, "the flow must move off {first}, which web no longer has");
+    }
+    let twin_entries = env.agent.entries("10.96.0.30", 53, "UDP");
+    assert!(
+        !twin_entries.is_empty() && twin_entries.iter().all(|e| e["backends"].as_array().is_some_and(|b| b.len() == 2)),
+        "twin keeps both backends: {twin_entries:#?}"
+    );
 }

@@ -6,7 +6,8 @@ use std::net::{Ipv6Addr, SocketAddrV6};
 use e2e::bpf_test_run::{TcPrograms, EGRESS, INGRESS, TC_ACT_OK, TC_ACT_REDIRECT};
 use e2e::packet::{IPPROTO_TCP, IPPROTO_UDP, TCP_ACK, TCP_SYN};
 use e2e::packet6::{icmp6_error, neighbour_solicitation, read_ipv6, Ext, Frame6, IPPROTO_ICMPV6};
-use proxy_abi::{backend_flags, svc_flags};
+use e2e::topology::{in_netns, Netns};
+use proxy_abi::{backend_flags, ct, svc_flags};
 
 fn addr(ip: &str, port: u16) -> SocketAddrV6 {
     SocketAddrV6::new(ip.parse().expect("IPv6"), port, 0, 0)
@@ -148,4 +149,89 @@ fn an_ipv6_maglev_frontend_sends_each_flow_to_the_backend_its_table_names() {
         assert_eq!(read_ipv6(&out.frame).unwrap().dst, *expected.ip(), "client port {port}");
     }
     assert_eq!(programs.counter("tc_maglev_pick").unwrap(), 40);
+}
+
+fn remote_backend() -> SocketAddrV6 {
+    addr("fd00:10:244:2::10", 8080)
+}
+const NODE_LINK_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x0a];
+const OTHER_NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x0b];
+
+/// As `tc_packets.rs`'s `routed_netns`, for IPv6: a link fd00:192:168:250::1/64 (MAC 02:..:0a)
+/// to "the other node" fd00:192:168:250::2 (MAC 02:..:0b, a permanent neighbour), the next hop
+/// for that node's pods (fd00:10:244:2::/64) and, here, for the client's network too.
+fn routed_netns6() -> Netns {
+    let ns = Netns::create(&format!("{}-{}-fib6", e2e::PREFIX, e2e::unique_id())).expect("netns");
+    for cmd in [
+        "ip link add epxa address 02:00:00:00:00:0a type veth peer name epxb",
+        "ip -6 addr add fd00:192:168:250::1/64 dev epxa nodad",
+        "ip link set lo up",
+        "ip link set epxa up",
+        "ip link set epxb up",
+        "ip -6 neigh replace fd00:192:168:250::2 lladdr 02:00:00:00:00:0b dev epxa nud permanent",
+        "ip -6 route add fd00:10:244:2::/64 via fd00:192:168:250::2",
+        "ip -6 route add fd00:192:168:240::/64 via fd00:192:168:250::2",
+        "sysctl -qw net.ipv6.conf.all.forwarding=1",
+    ] {
+        ns.exec(&cmd.split(' ').collect::<Vec<_>>()).expect(cmd);
+    }
+    ns
+}
+
+#[test]
+fn an_ipv6_node_port_flow_to_a_backend_on_another_node_is_snated_and_its_replies_and_errors_return() {
+    let ns = routed_netns6();
+    in_netns(&ns.path(), || {
+        let mut programs = TcPrograms::load().unwrap();
+        let far = [(1, remote_backend(), 0)];
+        programs.put_frontend6(node_port(), IPPROTO_TCP, 7, svc_flags::NODE_PORT, &far).unwrap();
+        let out = programs.run(INGRESS, &Frame6::tcp(client(), node_port(), TCP_SYN).build()).unwrap();
+        assert_eq!(out.verdict, TC_ACT_REDIRECT, "sent on by the program itself: {out:?}");
+        let ip = read_ipv6(&out.frame).expect("IPv6");
+        let snat_port = u16::from_be_bytes([ip.l4[0], ip.l4[1]]);
+        assert!(snat_port >= ct::SNAT_PORT_MIN, "SNAT port {snat_port} must be above the node's own ephemeral range");
+        let snated = SocketAddrV6::new(*node_port().ip(), snat_port, 0, 0);
+        let routed = |frame: Frame6| Frame6 { src_mac: NODE_LINK_MAC, dst_mac: OTHER_NODE_MAC, ..frame }.build();
+        assert_eq!(out.frame, routed(Frame6::tcp(snated, remote_backend(), TCP_SYN)), "from the node address, to the other node");
+        assert_eq!(programs.counter("tc_snat").unwrap(), 1);
+
+        // The backend's answer comes to node:SNAT port and leaves as NodePort -> client.
+        let out = programs.run(INGRESS, &Frame6::tcp(remote_backend(), snated, TCP_SYN | TCP_ACK).build()).unwrap();
+        assert_eq!(out.verdict, TC_ACT_REDIRECT, "{out:?}");
+        assert_eq!(out.frame, routed(Frame6::tcp(node_port(), client(), TCP_SYN | TCP_ACK)));
+        assert_eq!(programs.counter("tc_snat_reply").unwrap(), 1);
+
+        // The rest of the flow keeps backend and SNAT port.
+        let ack = programs.run(INGRESS, &Frame6::tcp(client(), node_port(), TCP_ACK).build()).unwrap();
+        assert_eq!(ack.frame, routed(Frame6::tcp(snated, remote_backend(), TCP_ACK)));
+
+        // A router towards the other node needs smaller packets: the error reaches the client,
+        // about the packet the client sent.
+        let hop: Ipv6Addr = "fd00:192:168:250::2".parse().unwrap();
+        let mtu = 1280u32.to_be_bytes();
+        let error = icmp6_error(hop, *node_port().ip(), 2, 0, mtu, &Frame6::tcp(snated, remote_backend(), TCP_ACK).build());
+        let out = programs.run(INGRESS, &error).unwrap();
+        let expected = icmp6_error(hop, *client().ip(), 2, 0, mtu, &Frame6::tcp(client(), node_port(), TCP_ACK).build());
+        assert_eq!((out.verdict, out.frame), (TC_ACT_OK, expected));
+        assert_eq!(programs.counter("tc_icmp_error_xlate").unwrap(), 1);
+
+        // An externalIP comes from the IPv6 address of the interface it arrived on: without one
+        // recorded, DNAT only (counted); with one, SNAT to it.
+        let external_ip = addr("fd00:192:168:241::10", 80);
+        programs.put_frontend6(external_ip, IPPROTO_TCP, 8, svc_flags::EXTERNAL_IP, &far).unwrap();
+        let input = Frame6::tcp(client(), external_ip, TCP_SYN);
+        let out = programs.run(INGRESS, &input.build()).unwrap();
+        assert_eq!((out.verdict, out.frame), (TC_ACT_OK, Frame6 { dst: remote_backend(), ..input }.build()));
+        assert_eq!(programs.counter("tc_remote_backend_no_snat").unwrap(), 1);
+        let interface_addr: Ipv6Addr = "fd00:192:168:240::1".parse().unwrap();
+        // BPF_PROG_TEST_RUN runs the program on the loopback device, ifindex 1.
+        programs.put_interface_address6(1, interface_addr).unwrap();
+        let next_client = addr("fd00:192:168:240::2", 40001);
+        let out = programs.run(INGRESS, &Frame6::tcp(next_client, external_ip, TCP_SYN).build()).unwrap();
+        assert_eq!(out.verdict, TC_ACT_REDIRECT, "{out:?}");
+        let ip = read_ipv6(&out.frame).expect("IPv6");
+        assert_eq!((ip.src, ip.dst), (interface_addr, *remote_backend().ip()), "{ip:?}");
+        assert!(ip.l4_checksum_ok, "{ip:?}");
+    })
+    .expect("running in the namespace");
 }
