@@ -163,7 +163,14 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             status.lock().expect("status lock").oldest_unprogrammed_change.get_or_insert(changed_at);
         }
         match crate::netif::node_addresses() {
-            Ok(addresses) => config.interface_addresses = addresses,
+            Ok(addresses) if addresses != config.interface_addresses => {
+                // The SNAT source of each interface follows too (only what changed is written).
+                if let Err(error) = kernel::tc::record_interface_addresses(&args.bpffs, &interfaces) {
+                    tracing::warn!("cannot record the interfaces' new addresses: {}", error_chain(&error));
+                }
+                config.interface_addresses = addresses;
+            }
+            Ok(_) => {}
             Err(error) => tracing::warn!("cannot read the node's addresses, keeping the last ones: {error}"),
         }
         let desired = desired::compute(&snapshot.cluster, &config);

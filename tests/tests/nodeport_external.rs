@@ -219,6 +219,44 @@ fn nodeport_and_external_ip_to_a_backend_on_another_node_are_snated_and_the_answ
     assert_eq!(counter("tc_fib_fail"), 0, "{:#}", dump["counters"]);
 }
 
+#[test]
+fn the_external_ip_snat_source_follows_an_address_change_on_the_interface() {
+    let mut topo = Topology::new().expect("topology");
+    let client = topo.add_external_client("ext").expect("external client");
+    // ext0 gets a second address; once the first is removed, the second becomes ext0's only
+    // (and so its SNAT source). The other node answers only that second address.
+    const SECOND: &str = "192.168.240.3";
+    topo.node.exec(&["sysctl", "-qw", &format!("net.ipv4.conf.{}.promote_secondaries=1", client.node_interface)]).expect("sysctl");
+    topo.node.exec(&["ip", "addr", "add", &format!("{SECOND}/24"), "dev", &client.node_interface]).expect("second address");
+    let endpoint = topo.add_remote_pod("far", 10, &[&format!("{SECOND}/32")]).expect("remote pod").ip.clone();
+    let _server = probe::serve(&topo, "far", "far", &[8080], &[5353]).expect("server on the other node");
+    let far = node_port_service("far", "10.96.0.30", 30090)
+        .replacen("  clusterIP: 10.96.0.30\n", &format!("  clusterIP: 10.96.0.30\n  externalIPs: [{FAR_EXTERNAL_IP}]\n"), 1);
+    let far_slice = slice("far", &[&endpoint]).replace("nodeName: node-1", "nodeName: node-2");
+    let dir = AgentDir::new(&topo.id).expect("agent dir");
+    dir.write_manifest(&format!("{far}---\n{far_slice}")).expect("manifest");
+    let interfaces = format!("--interfaces={},n2", client.node_interface);
+    let agent = Agent::start_file_in_node(&topo, &dir, &[&interfaces]).expect("agent");
+    client.netns.exec(&["ip", "route", "add", "192.168.241.0/24", "via", SECOND]).expect("route");
+    agent.wait_for_external_frontend(FAR_EXTERNAL_IP, 80);
+
+    // SNAT to the lowest address, the first one: the other node cannot answer it.
+    let before = probe_to(&client, "udp", FAR_EXTERNAL_IP, 53, 2);
+    assert_eq!(before.ok, 0, "SNATed to {}, which the other node does not answer: {before:?}", client.node_ip);
+
+    topo.node.exec(&["ip", "addr", "del", &format!("{}/24", client.node_ip), "dev", &client.node_interface]).expect("del");
+    // The agent polls the node's addresses every 2 s.
+    let started = std::time::Instant::now();
+    while probe_to(&client, "udp", FAR_EXTERNAL_IP, 53, 1).ok == 0 {
+        assert!(started.elapsed() < Duration::from_secs(6), "still no answer 6 s after the change:\n{}", agent.log_text());
+    }
+    assert!(agent.log_text().contains(&format!("addr={SECOND}")), "the new SNAT source is logged:\n{}", agent.log_text());
+    let tcp = probe_to(&client, "tcp", FAR_EXTERNAL_IP, 80, 20);
+    assert_eq!((tcp.ok, tcp.answered_by("far")), (20, 20), "TCP SNATed to the new address: {tcp:?}");
+    let udp = probe_to(&client, "udp", FAR_EXTERNAL_IP, 53, 20);
+    assert_eq!((udp.ok, udp.answered_by("far")), (20, 20), "UDP SNATed to the new address: {udp:?}");
+}
+
 /// Our classic tc filters on the node's side of the client's link in `direction` (`ingress` or
 /// `egress`), by program name.
 fn classic_programs(topo: &Topology, client: &ExternalClient, direction: &str) -> Vec<String> {
