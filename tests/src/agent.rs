@@ -154,8 +154,15 @@ impl Agent {
 
     /// The agent of a second node, `node_name`, on the same manifest as `first`: it runs in
     /// `netns` (that node's namespace) and balances the sockets of `cgroup` (that node's pods),
-    /// with its own bpffs directory, state, ports and log. Waits until it has synced.
-    pub fn start_other_node(first: &Agent, node_name: &str, cgroup: &Path, netns: &Path) -> anyhow::Result<Self> {
+    /// with its own bpffs directory, state, ports and log, and `extra_args`. Waits until it has
+    /// synced.
+    pub fn start_other_node(
+        first: &Agent,
+        node_name: &str,
+        cgroup: &Path,
+        netns: &Path,
+        extra_args: &[&str],
+    ) -> anyhow::Result<Self> {
         let (healthz_port, metrics_port) = free_ports();
         let mut agent = Self {
             child: None,
@@ -166,7 +173,7 @@ impl Agent {
             log: first.log.with_extension(format!("{node_name}.log")),
             state_dir: first.state_dir.with_extension(node_name),
             source_args: first.source_args.clone(),
-            extra_args: Vec::new(),
+            extra_args: extra_args.iter().map(ToString::to_string).collect(),
             netns: Some(netns.to_owned()),
             node_name: node_name.to_owned(),
             starts: 0,

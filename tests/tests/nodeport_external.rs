@@ -525,3 +525,56 @@ fn an_external_udp_flow_leaves_a_backend_its_service_dropped_while_another_servi
         "twin keeps both backends: {twin_entries:#?}"
     );
 }
+
+/// backend address -> backend id of the external UDP NodePort frontend on `ip`, as `agent` has it.
+fn backend_ids(agent: &Agent, ip: &str) -> std::collections::BTreeMap<String, u64> {
+    let entries = agent.entries(ip, UDP_NODE_PORT, "UDP");
+    let external = entries.iter().find(|e| e["scope"] == "external").expect("the external UDP NodePort frontend");
+    let backends = external["backends"].as_array().expect("backends");
+    backends.iter().map(|b| (b["ip"].as_str().unwrap_or("?").to_owned(), b["id"].as_u64().unwrap_or(0))).collect()
+}
+
+#[test]
+fn with_maglev_two_nodes_whose_agents_numbered_the_backends_differently_send_each_flow_to_the_same_backend() {
+    // node-1 first knows be2 alone, then be1 joins: its backend ids differ from those of
+    // node-2, whose agent starts when both are there.
+    let Env { agent: node1, _dir: dir, client, _servers, mut topo } =
+        start(&manifest_with(&["10.244.1.12"]), &["--lb-algorithm=maglev"]);
+    node1.wait_for_external_frontend(&client.node_ip, UDP_NODE_PORT);
+    dir.write_manifest(&manifest()).expect("manifest with be1");
+    let started = std::time::Instant::now();
+    while backend_ids(&node1, &client.node_ip).len() != 2 {
+        assert!(started.elapsed() < Duration::from_secs(5), "be1 not added:\n{}", node1.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // node-2: one namespace on the far side of n2 (192.168.250.2), routing back through node-1
+    // to the pods there and to the client, with its own agent, TC programs on its link, and
+    // Maglev. For node-2 both endpoints are remote: its flows are SNATed.
+    topo.add_remote_pod("node2", 10, &["10.244.1.0/24", "192.168.240.0/24"]).expect("node-2");
+    let node2_netns = topo.pod("node2").netns.path();
+    topo.pod("node2").netns.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]).expect("forwarding on node-2");
+    let node2_pods = e2e::topology::Cgroup::create(&format!("{}-{}-node-2", e2e::PREFIX, topo.id)).expect("cgroup");
+    let node2 = Agent::start_other_node(&node1, "node-2", &node2_pods.path, &node2_netns, &["--interfaces=eth0", "--lb-algorithm=maglev"])
+        .expect("node-2 agent");
+    const NODE2_IP: &str = "192.168.250.2";
+    node2.wait_for_external_frontend(NODE2_IP, UDP_NODE_PORT);
+    client.route_via_node("192.168.250.0/24").expect("route to node-2");
+    let (ids1, ids2) = (backend_ids(&node1, &client.node_ip), backend_ids(&node2, NODE2_IP));
+    assert_eq!(ids1.keys().collect::<Vec<_>>(), ids2.keys().collect::<Vec<_>>(), "the same backends");
+    assert_ne!(ids1, ids2, "the agents must have numbered the backends differently for this test");
+
+    // The same 30 flows (client address and ports) through either node reach the same backends.
+    let flows = |to: &str| {
+        let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
+        let summary = probe::client_with_args(command, "udp", to, 30, &["--source-port", "43000"]).expect("probe");
+        assert_eq!((summary.ok, summary.sequence.len()), (30, 30), "through {to}: {summary:?}");
+        summary.sequence
+    };
+    let via_node1 = flows(&format!("{}:{UDP_NODE_PORT}", client.node_ip));
+    let via_node2 = flows(&format!("{NODE2_IP}:{UDP_NODE_PORT}"));
+    assert_eq!(via_node1, via_node2, "each flow must reach the same backend through either node");
+    assert!(via_node1.iter().any(|b| b == "be1") && via_node1.iter().any(|b| b == "be2"), "{via_node1:?}");
+    let counter = |agent: &Agent, name: &str| agent.dump().expect("dump")["counters"][name].as_u64().unwrap_or(0);
+    assert!(counter(&node1, "tc_maglev_pick") >= 30 && counter(&node2, "tc_maglev_pick") >= 30);
+    assert!(counter(&node2, "tc_snat") >= 30, "node-2's flows go to node-1's pods through SNAT");
+}

@@ -299,7 +299,7 @@ fn internal_traffic_policy_local_keeps_the_clients_of_each_node_on_that_nodes_en
     let node1 = Agent::start_file_in_node(&topo, &dir, &[]).expect("node-1 agent");
     let node2_pods = e2e::topology::Cgroup::create(&format!("{}-{}-node-2", e2e::PREFIX, topo.id)).expect("cgroup");
     let node2 =
-        Agent::start_other_node(&node1, "node-2", &node2_pods.path, &topo.pod("be3").netns.path()).expect("node-2 agent");
+        Agent::start_other_node(&node1, "node-2", &node2_pods.path, &topo.pod("be3").netns.path(), &[]).expect("node-2 agent");
     let from_node1 = |to: &str, count| probe::client(&topo, "client", "tcp", to, count).expect("probe on node-1");
     let from_node2 = |to: &str, count| {
         let command = topo.command_in_cgroup("be3", &e2e::bin("epx-probe"), &node2_pods.path).expect("command");
