@@ -366,6 +366,21 @@ impl Agent {
     }
 }
 
+/// The datapath counter `name` in a `dump`; panics (showing the counters) when there is none.
+pub fn counter(dump: &serde_json::Value, name: &str) -> u64 {
+    dump["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}: {:#}", dump["counters"]))
+}
+
+/// Asserts that the packet path SNATed at least `packets` packets to a backend on another node
+/// and reverse-translated as many replies, with no remote flow left un-SNATed and no route
+/// lookup failed.
+pub fn assert_snated(dump: &serde_json::Value, packets: u64) {
+    let counters = &dump["counters"];
+    assert!(counter(dump, "tc_snat") >= packets && counter(dump, "tc_snat_reply") >= packets, "{counters:#}");
+    assert_eq!(counter(dump, "tc_remote_backend_no_snat"), 0, "{counters:#}");
+    assert_eq!(counter(dump, "tc_fib_fail"), 0, "{counters:#}");
+}
+
 pub fn dump(bpffs: &Path) -> anyhow::Result<serde_json::Value> {
     let output = crate::topology::run(Command::new(crate::bin("ebpf-proxy")).arg("dump").arg("--json").arg("--bpffs").arg(bpffs))?;
     Ok(serde_json::from_slice(&output.stdout)?)

@@ -293,7 +293,7 @@ fn an_external_ipv6_client_reaches_a_node_port_over_tcp_and_udp_and_is_refused_w
     assert!(result["errors"]["ECONNREFUSED"].as_u64().unwrap_or(0) >= 3, "{result}");
 
     let dump = env.agent.dump().expect("dump");
-    let counter = |name: &str| dump["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}"));
+    let counter = |name: &str| e2e::agent::counter(&dump, name);
     assert!(counter("tc_dnat") >= 120 && counter("tc_rev_nat") >= 120, "{:#}", dump["counters"]);
     assert!(counter("tc_no_backend_reject") >= 3, "{:#}", dump["counters"]);
     let flows = dump["conntrack"].as_array().expect("conntrack");
@@ -360,11 +360,7 @@ spec:
         let summary = probe::client_with(command, kind, to, 30).expect("probe");
         assert_eq!((summary.ok, summary.answered_by("far")), (30, 30), "{kind} to {to} on the other node: {summary:?}");
     }
-    let dump = agent.dump().expect("dump");
-    let counter = |name: &str| dump["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}"));
-    assert!(counter("tc_snat") >= 120 && counter("tc_snat_reply") >= 120, "{:#}", dump["counters"]);
-    assert_eq!(counter("tc_remote_backend_no_snat"), 0, "{:#}", dump["counters"]);
-    assert_eq!(counter("tc_fib_fail"), 0, "{:#}", dump["counters"]);
+    e2e::agent::assert_snated(&agent.dump().expect("dump"), 120);
 }
 
 #[test]

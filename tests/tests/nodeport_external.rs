@@ -112,7 +112,7 @@ fn nodeport_from_an_external_client_reaches_pods_over_tcp_and_udp_and_refuses_wi
         flows.iter().any(|f| f["frontend"] == frontend.as_str() && f["client"].as_str().unwrap_or("").starts_with(&client.ip)),
         "no tracked flow from the client to {frontend}: {flows:#?}"
     );
-    let counter = |name: &str| dump["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}"));
+    let counter = |name: &str| e2e::agent::counter(&dump, name);
     assert!(counter("tc_dnat") >= 120, "{:#}", dump["counters"]);
     assert!(counter("tc_rev_nat") >= 120, "{:#}", dump["counters"]);
     assert_eq!(counter("tc_no_backend_reject"), 5, "{:#}", dump["counters"]);
@@ -212,11 +212,7 @@ fn nodeport_and_external_ip_to_a_backend_on_another_node_are_snated_and_the_answ
     let udp = probe_to(&client, "udp", FAR_EXTERNAL_IP, 53, 30);
     assert_eq!((udp.ok, udp.answered_by("far")), (30, 30), "UDP via the externalIP to the other node: {udp:?}");
 
-    let dump = agent.dump().expect("dump");
-    let counter = |name: &str| dump["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}"));
-    assert!(counter("tc_snat") >= 120 && counter("tc_snat_reply") >= 120, "{:#}", dump["counters"]);
-    assert_eq!(counter("tc_remote_backend_no_snat"), 0, "{:#}", dump["counters"]);
-    assert_eq!(counter("tc_fib_fail"), 0, "{:#}", dump["counters"]);
+    e2e::agent::assert_snated(&agent.dump().expect("dump"), 120);
 }
 
 #[test]
@@ -574,7 +570,7 @@ fn with_maglev_two_nodes_whose_agents_numbered_the_backends_differently_send_eac
     let via_node2 = flows(&format!("{NODE2_IP}:{UDP_NODE_PORT}"));
     assert_eq!(via_node1, via_node2, "each flow must reach the same backend through either node");
     assert!(via_node1.iter().any(|b| b == "be1") && via_node1.iter().any(|b| b == "be2"), "{via_node1:?}");
-    let counter = |agent: &Agent, name: &str| agent.dump().expect("dump")["counters"][name].as_u64().unwrap_or(0);
+    let counter = |agent: &Agent, name: &str| e2e::agent::counter(&agent.dump().expect("dump"), name);
     assert!(counter(&node1, "tc_maglev_pick") >= 30 && counter(&node2, "tc_maglev_pick") >= 30);
     assert!(counter(&node2, "tc_snat") >= 30, "node-2's flows go to node-1's pods through SNAT");
 }
