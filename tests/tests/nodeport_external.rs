@@ -236,20 +236,29 @@ fn the_external_ip_snat_source_follows_an_address_change_on_the_interface() {
     client.netns.exec(&["ip", "route", "add", "192.168.241.0/24", "via", SECOND]).expect("route");
     agent.wait_for_external_frontend(FAR_EXTERNAL_IP, 80);
 
+    // Every UDP request comes from a client port of its own: a flow SNATed to the old address
+    // stays tracked, with that address, until it times out.
+    let udp_from = |port: u16, count: u32| {
+        let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
+        let to = format!("{FAR_EXTERNAL_IP}:53");
+        probe::client_with_args(command, "udp", &to, count, &["--source-port", &port.to_string()]).expect("probe")
+    };
     // SNAT to the lowest address, the first one: the other node cannot answer it.
-    let before = probe_to(&client, "udp", FAR_EXTERNAL_IP, 53, 2);
+    let before = udp_from(44000, 2);
     assert_eq!(before.ok, 0, "SNATed to {}, which the other node does not answer: {before:?}", client.node_ip);
 
     topo.node.exec(&["ip", "addr", "del", &format!("{}/24", client.node_ip), "dev", &client.node_interface]).expect("del");
     // The agent polls the node's addresses every 2 s.
     let started = std::time::Instant::now();
-    while probe_to(&client, "udp", FAR_EXTERNAL_IP, 53, 1).ok == 0 {
+    let mut port = 44100;
+    while udp_from(port, 1).ok == 0 {
         assert!(started.elapsed() < Duration::from_secs(6), "still no answer 6 s after the change:\n{}", agent.log_text());
+        port += 1;
     }
     assert!(agent.log_text().contains(&format!("addr={SECOND}")), "the new SNAT source is logged:\n{}", agent.log_text());
     let tcp = probe_to(&client, "tcp", FAR_EXTERNAL_IP, 80, 20);
     assert_eq!((tcp.ok, tcp.answered_by("far")), (20, 20), "TCP SNATed to the new address: {tcp:?}");
-    let udp = probe_to(&client, "udp", FAR_EXTERNAL_IP, 53, 20);
+    let udp = udp_from(45000, 20);
     assert_eq!((udp.ok, udp.answered_by("far")), (20, 20), "UDP SNATed to the new address: {udp:?}");
 }
 
