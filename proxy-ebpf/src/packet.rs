@@ -165,8 +165,8 @@ fn parse_icmp_error(ctx: &TcContext, daddr_be: u32, l4_off: usize, ip_end: usize
     Parsed::IcmpError(IcmpError { daddr_be, icmp_off: l4_off, inner })
 }
 
-#[inline(always)]
 /// An IPv4 frame (the caller has checked the ethertype).
+#[inline(always)]
 pub fn parse(ctx: &TcContext) -> Parsed {
     let len = ctx.len() as usize;
     if len < ETH_HLEN + IPV4_MIN_HLEN {

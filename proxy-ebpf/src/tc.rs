@@ -121,7 +121,11 @@ fn ingress(ctx: &TcContext) -> i32 {
         let affinity_key = affinity::key(&frontend, u64::from(flow.saddr_be), proxy_abi::affinity::CLIENT_IP4);
         let (backend_id, backend) = match affinity_key.as_ref().and_then(|k| affinity::remembered(k, &frontend)) {
             Some(chosen) => chosen,
-            None => match maglev_pick(&frontend, || maglev::flow_hash(flow.saddr_be, flow.sport_be, flow.dport_be, flow.proto), &BACKENDS4) {
+            None => match maglev_pick(
+                &frontend,
+                || maglev::flow_hash(flow.saddr_be, flow.sport_be, flow.dport_be, flow.proto),
+                &BACKENDS4,
+            ) {
                 Some(chosen) => chosen,
                 None => {
                     key.backend_slot = (unsafe { bpf_get_prandom_u32() } % u32::from(frontend.count)) as u16 + 1;

@@ -170,7 +170,11 @@ fn new_flow6(ctx: &TcContext, w: &mut Work6, frontend: &ServiceValue4, now: u64)
     let affinity_key = affinity::key(frontend, folded(&flow.saddr), proxy_abi::affinity::CLIENT_IP6);
     let chosen = match affinity_key.as_ref().and_then(|k| affinity::remembered6(k, frontend)) {
         Some(chosen) => Some(chosen),
-        None => match crate::tc::maglev_pick(frontend, || maglev::flow_hash6(&flow.saddr, flow.sport_be, flow.dport_be, flow.proto), &BACKENDS6) {
+        None => match crate::tc::maglev_pick(
+            frontend,
+            || maglev::flow_hash6(&flow.saddr, flow.sport_be, flow.dport_be, flow.proto),
+            &BACKENDS6,
+        ) {
             Some(chosen) => Some(chosen),
             None => random_pick6(&mut w.svc, frontend),
         },

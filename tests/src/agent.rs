@@ -336,8 +336,8 @@ impl Agent {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         loop {
             let dump = self.dump().expect("dump");
-            let services = dump["services"].as_array().into_iter().flatten();
-            if services.clone().any(|s| s["ip"] == ip && s["port"] == port && s["scope"] == "external") {
+            let mut services = dump["services"].as_array().into_iter().flatten();
+            if services.any(|s| s["ip"] == ip && s["port"] == port && s["scope"] == "external") {
                 return;
             }
             assert!(
