@@ -93,7 +93,7 @@ pub struct IcmpError {
 
 impl IcmpError {
     #[inline(always)]
-    fn csum_off(&self) -> usize {
+    pub fn csum_off(&self) -> usize {
         self.icmp_off + 2
     }
     #[inline(always)]
@@ -270,15 +270,16 @@ pub fn rewrite_inner_addr(ctx: &TcContext, error: &IcmpError, addr_off: usize, o
     ctx.l4_csum_replace(error.csum_off(), u64::from(old_csum), u64::from(new_csum), 2).map_err(|_| RewriteFailed)
 }
 
-/// Rewrites a port of the packet an ICMP error quotes, and the ICMP checksum. (The quoted L4
+/// Rewrites a port of the packet an ICMP or ICMPv6 error quotes, and the error's checksum (at
+/// `icmp_csum_off`: a port is not part of ICMPv6's pseudo-header, so both families agree). (The quoted L4
 /// checksum, when the quote has one, is left alone: it covers data the quote does not have.)
 #[inline(always)]
-pub fn rewrite_inner_port(ctx: &TcContext, error: &IcmpError, port_off: usize, old: u16, new: u16) -> Result<(), RewriteFailed> {
+pub fn rewrite_inner_port(ctx: &TcContext, icmp_csum_off: usize, port_off: usize, old: u16, new: u16) -> Result<(), RewriteFailed> {
     if old == new {
         return Ok(());
     }
     ctx.store(port_off, &new, 0).map_err(|_| RewriteFailed)?;
-    ctx.l4_csum_replace(error.csum_off(), u64::from(old), u64::from(new), 2).map_err(|_| RewriteFailed)
+    ctx.l4_csum_replace(icmp_csum_off, u64::from(old), u64::from(new), 2).map_err(|_| RewriteFailed)
 }
 
 /// Rewrites the outer destination of an ICMP error (ICMP has no pseudo-header: only the IP

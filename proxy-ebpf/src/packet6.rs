@@ -72,7 +72,7 @@ pub struct IcmpError6 {
 
 impl IcmpError6 {
     #[inline(always)]
-    fn csum_off(&self) -> usize {
+    pub fn csum_off(&self) -> usize {
         self.icmp_off + 2
     }
     #[inline(always)]
@@ -254,16 +254,6 @@ pub fn rewrite_inner_addr6(ctx: &TcContext, error: &IcmpError6, addr_off: usize,
     let diff = addr_diff(old, new)?;
     ctx.store(addr_off, new, 0).map_err(|_| RewriteFailed)?;
     ctx.l4_csum_replace(error.csum_off(), 0, diff, 0).map_err(|_| RewriteFailed)
-}
-
-/// Rewrites a port of the quoted packet, and the ICMPv6 checksum.
-#[inline(always)]
-pub fn rewrite_inner_port6(ctx: &TcContext, error: &IcmpError6, port_off: usize, old: u16, new: u16) -> Result<(), RewriteFailed> {
-    if old == new {
-        return Ok(());
-    }
-    ctx.store(port_off, &new, 0).map_err(|_| RewriteFailed)?;
-    ctx.l4_csum_replace(error.csum_off(), u64::from(old), u64::from(new), 2).map_err(|_| RewriteFailed)
 }
 
 /// Rewrites the outer destination of an ICMPv6 error: unlike ICMP, ICMPv6's checksum covers a

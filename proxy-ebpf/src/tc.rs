@@ -341,9 +341,9 @@ fn icmp_error(ctx: &TcContext, error: &IcmpError) -> i32 {
         (entry.backend_addr_be, entry.backend_addr_be, entry.backend_port_be, inner.daddr_be, inner.dport_be)
     };
     let rewritten = rewrite_inner_addr(ctx, error, error.inner_saddr_off(), inner.saddr_be, src)
-        .and_then(|()| rewrite_inner_port(ctx, error, error.inner_sport_off(), inner.sport_be, sport))
+        .and_then(|()| rewrite_inner_port(ctx, error.csum_off(), error.inner_sport_off(), inner.sport_be, sport))
         .and_then(|()| rewrite_inner_addr(ctx, error, error.inner_daddr_off(), inner.daddr_be, dst))
-        .and_then(|()| rewrite_inner_port(ctx, error, error.inner_dport_off(), inner.dport_be, dport))
+        .and_then(|()| rewrite_inner_port(ctx, error.csum_off(), error.inner_dport_off(), inner.dport_be, dport))
         .and_then(|()| rewrite_outer_daddr(ctx, error.daddr_be, to));
     if rewritten.is_err() {
         count(stat::TC_REWRITE_FAIL);

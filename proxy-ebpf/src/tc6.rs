@@ -25,9 +25,9 @@ use proxy_abi::{
 use crate::affinity;
 use crate::ct::{is_expired6, now_ns, reply_key_of6, tcp_seen_after};
 use crate::maps::{count, BACKENDS6, CT6, IFADDR6, SERVICES6};
-use crate::packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
+use crate::packet::{rewrite_inner_port, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 use crate::packet6::{
-    parse6, rewrite_addr6, rewrite_inner_addr6, rewrite_inner_port6, rewrite_outer_daddr6, rewrite_port6, Flow6,
+    parse6, rewrite_addr6, rewrite_inner_addr6, rewrite_outer_daddr6, rewrite_port6, Flow6,
     Parsed6, Parsed6Out, IP6_DADDR_OFF, IP6_SADDR_OFF,
 };
 use crate::{reject, route};
@@ -334,9 +334,9 @@ fn icmp_error6(ctx: &TcContext, w: &mut Work6) -> i32 {
         (&entry.backend_addr, &entry.backend_addr, entry.backend_port_be, &inner.daddr, inner.dport_be)
     };
     let rewritten = rewrite_inner_addr6(ctx, error, error.inner_saddr_off(), &inner.saddr, src)
-        .and_then(|()| rewrite_inner_port6(ctx, error, inner.l4_off, inner.sport_be, sport))
+        .and_then(|()| rewrite_inner_port(ctx, error.csum_off(), inner.l4_off, inner.sport_be, sport))
         .and_then(|()| rewrite_inner_addr6(ctx, error, error.inner_daddr_off(), &inner.daddr, dst))
-        .and_then(|()| rewrite_inner_port6(ctx, error, inner.l4_off + 2, inner.dport_be, dport))
+        .and_then(|()| rewrite_inner_port(ctx, error.csum_off(), inner.l4_off + 2, inner.dport_be, dport))
         .and_then(|()| rewrite_outer_daddr6(ctx, error, to));
     if rewritten.is_err() {
         count(stat::TC_REWRITE_FAIL);
