@@ -4,10 +4,10 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_abi::{
-    capacity, stat, AffinityKey4, AffinityValue4, Backend4, BackendId, Backend6, CtEntry4, CtEntry6, CtKey4, CtKey6, IfAddr6, IfAddr4, MaglevTable4, RevNat4, RevNat6, RevSock6, RevSockKey6, ServiceKey6, RevNatId, RevSock4,
+    capacity, stat, DatapathConfig, AffinityKey4, AffinityValue4, Backend4, BackendId, Backend6, CtEntry4, CtEntry6, CtKey4, CtKey6, IfAddr6, IfAddr4, MaglevTable4, RevNat4, RevNat6, RevSock6, RevSockKey6, ServiceKey6, RevNatId, RevSock4,
     RevSockKey4, ServiceKey4, ServiceValue4,
 };
 
@@ -48,7 +48,7 @@ pub static STATS: PerCpuArray<u64> = PerCpuArray::pinned(stat::SLOTS, 0);
 
 /// Connection tracking of the packet-level datapath: LRU, so a full table forgets the oldest flow
 /// instead of refusing a new one.
-#[map(name = "epx_ct4_v1")]
+#[map(name = "epx_ct4_v2")]
 pub static CT4: LruHashMap<CtKey4, CtEntry4> = LruHashMap::pinned(capacity::CT4, 0);
 
 /// ifindex -> that interface's IPv4 address, written by the agent when it attaches.
@@ -60,13 +60,17 @@ pub static IFADDR4: HashMap<u32, IfAddr4> = HashMap::pinned(capacity::IFADDR4, 0
 #[map(name = "epx_maglev4_v1")]
 pub static MAGLEV4: HashMap<u32, MaglevTable4> = HashMap::pinned(capacity::MAGLEV4, BPF_F_NO_PREALLOC);
 
-/// The IPv6 connection tracking (as `epx_ct4_v1`).
-#[map(name = "epx_ct6_v1")]
+/// The IPv6 connection tracking (as `epx_ct4_v2`).
+#[map(name = "epx_ct6_v2")]
 pub static CT6: LruHashMap<CtKey6, CtEntry6> = LruHashMap::pinned(capacity::CT6, 0);
 
 /// ifindex -> that interface's (first global) IPv6 address, written by the agent when it attaches.
 #[map(name = "epx_ifaddr6_v1")]
 pub static IFADDR6: HashMap<u32, IfAddr6> = HashMap::pinned(capacity::IFADDR6, 0);
+
+/// The agent's settings (`DatapathConfig`); all zero means the ABI defaults.
+#[map(name = "epx_cfg_v1")]
+pub static CONFIG: Array<DatapathConfig> = Array::pinned(1, 0);
 
 #[inline(always)]
 pub fn count(index: u32) {

@@ -43,6 +43,9 @@ pub struct Flow {
     pub tcp_flags: u8,
     /// IPv4 header length in bytes (20 without options).
     pub ip_hlen: usize,
+    /// TCP sequence number and the one after this segment (host byte order; 0 for UDP).
+    pub seq: u32,
+    pub seq_end: u32,
 }
 
 impl Flow {
@@ -161,6 +164,8 @@ fn parse_icmp_error(ctx: &TcContext, daddr_be: u32, l4_off: usize, ip_end: usize
         l4_off: inner_l4,
         tcp_flags: 0,
         ip_hlen: IPV4_MIN_HLEN,
+        seq: 0,
+        seq_end: 0,
     };
     Parsed::IcmpError(IcmpError { daddr_be, icmp_off: l4_off, inner })
 }
@@ -197,7 +202,7 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         let Ok(daddr_be) = ctx.load::<u32>(IP_DADDR_OFF) else { return Parsed::BadHeader };
         return parse_icmp_error(ctx, daddr_be, l4_off, ip_end);
     }
-    let Ok(tcp_flags) = l4_header(ctx, proto, l4_off, ip_end) else { return Parsed::BadHeader };
+    let Ok(segment) = l4_header(ctx, proto, l4_off, ip_end) else { return Parsed::BadHeader };
     let (Ok(saddr_be), Ok(daddr_be), Ok(sport_be), Ok(dport_be)) = (
         ctx.load::<u32>(IP_SADDR_OFF),
         ctx.load::<u32>(IP_DADDR_OFF),
@@ -206,15 +211,27 @@ pub fn parse(ctx: &TcContext) -> Parsed {
     ) else {
         return Parsed::BadHeader;
     };
-    Parsed::Flow(Flow { saddr_be, daddr_be, sport_be, dport_be, proto, l4_off, tcp_flags, ip_hlen })
+    let Segment { flags: tcp_flags, seq, seq_end } = segment;
+    Parsed::Flow(Flow { saddr_be, daddr_be, sport_be, dport_be, proto, l4_off, tcp_flags, ip_hlen, seq, seq_end })
+}
+
+/// What conntrack reads of a TCP segment (all zero for UDP).
+#[derive(Clone, Copy, Default)]
+pub struct Segment {
+    pub flags: u8,
+    /// Sequence number, host byte order.
+    pub seq: u32,
+    /// The sequence number after this segment: data length, SYN and FIN each count.
+    pub seq_end: u32,
 }
 
 /// Checks that the TCP or UDP header at `l4_off` fits before `ip_end` (TCP: its data offset
-/// too) and returns the TCP flags (0 for UDP). Shared by the IPv4 and IPv6 parsers.
+/// too) and reads the TCP segment's flags and sequence numbers. Shared by the IPv4 and IPv6
+/// parsers.
 #[inline(always)]
-pub fn l4_header(ctx: &TcContext, proto: u8, l4_off: usize, ip_end: usize) -> Result<u8, ()> {
+pub fn l4_header(ctx: &TcContext, proto: u8, l4_off: usize, ip_end: usize) -> Result<Segment, ()> {
     if proto != IPPROTO_TCP {
-        return if l4_off + UDP_HLEN > ip_end { Err(()) } else { Ok(0) };
+        return if l4_off + UDP_HLEN > ip_end { Err(()) } else { Ok(Segment::default()) };
     }
     if l4_off + TCP_MIN_HLEN > ip_end {
         return Err(());
@@ -224,7 +241,11 @@ pub fn l4_header(ctx: &TcContext, proto: u8, l4_off: usize, ip_end: usize) -> Re
     if tcp_hlen < TCP_MIN_HLEN || l4_off + tcp_hlen > ip_end {
         return Err(());
     }
-    ctx.load::<u8>(l4_off + 13).map_err(|_| ())
+    let flags = ctx.load::<u8>(l4_off + 13).map_err(|_| ())?;
+    let seq = u32::from_be(ctx.load::<u32>(l4_off + 4).map_err(|_| ())?);
+    let data_len = (ip_end - l4_off - tcp_hlen) as u32;
+    let seq_end = seq.wrapping_add(data_len).wrapping_add(u32::from(flags & TCP_SYN != 0)).wrapping_add(u32::from(flags & TCP_FIN != 0));
+    Ok(Segment { flags, seq, seq_end })
 }
 
 /// A helper call failed; the packet may be partly rewritten and must not be sent on.

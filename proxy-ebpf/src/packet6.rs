@@ -46,6 +46,9 @@ pub struct Flow6 {
     pub l4_off: usize,
     /// TCP flags byte (0 for UDP).
     pub tcp_flags: u8,
+    /// TCP sequence numbers (see `packet::Segment`).
+    pub seq: u32,
+    pub seq_end: u32,
 }
 
 impl Flow6 {
@@ -140,6 +143,8 @@ fn parse_icmp6_error(ctx: &TcContext, out: &mut IcmpError6, icmp_off: usize, ip_
     out.inner.proto = proto;
     out.inner.l4_off = inner_l4;
     out.inner.tcp_flags = 0;
+    out.inner.seq = 0;
+    out.inner.seq_end = 0;
     Parsed6::IcmpError
 }
 
@@ -192,7 +197,7 @@ pub fn parse6(ctx: &TcContext, out: &mut Parsed6Out) -> Parsed6 {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return Parsed6::NotOurs;
     }
-    let Ok(tcp_flags) = l4_header(ctx, proto, l4_off, ip_end) else { return Parsed6::BadHeader };
+    let Ok(segment) = l4_header(ctx, proto, l4_off, ip_end) else { return Parsed6::BadHeader };
     let (Ok(sport_be), Ok(dport_be)) = (ctx.load::<u16>(l4_off), ctx.load::<u16>(l4_off + 2)) else {
         return Parsed6::BadHeader;
     };
@@ -204,7 +209,9 @@ pub fn parse6(ctx: &TcContext, out: &mut Parsed6Out) -> Parsed6 {
     flow.dport_be = dport_be;
     flow.proto = proto;
     flow.l4_off = l4_off;
-    flow.tcp_flags = tcp_flags;
+    flow.tcp_flags = segment.flags;
+    flow.seq = segment.seq;
+    flow.seq_end = segment.seq_end;
     Parsed6::Flow
 }
 

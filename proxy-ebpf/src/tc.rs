@@ -20,9 +20,11 @@
 //!
 //! IPv6 frames are handed to `tc6`, which does the same with the IPv6 maps.
 
+use core::ffi::{c_long, c_void};
+
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    helpers::bpf_get_prandom_u32,
+    helpers::{bpf_get_prandom_u32, bpf_loop},
     macros::classifier,
     maps::HashMap,
     programs::TcContext,
@@ -32,12 +34,15 @@ use proxy_abi::{
     SCOPE_EXTERNAL,
 };
 
-use crate::ct::{forward_key, is_expired, now_ns, record, reply_key, reply_key_of, tcp_seen_after};
+use crate::ct::{
+    claim, forward_key, forward_key_of, new_state, now_ns, observe, record, reply_key, reply_key_of, share_state, Claim,
+    Packet,
+};
 use crate::affinity;
-use crate::maps::{count, BACKENDS4, CT4, IFADDR4, MAGLEV4, SERVICES4};
+use crate::maps::{count, BACKENDS4, CONFIG, CT4, IFADDR4, MAGLEV4, SERVICES4};
 use crate::packet::{
     parse, rewrite_addr, rewrite_inner_addr, rewrite_inner_port, rewrite_outer_daddr, rewrite_port, Flow,
-    IcmpError, Parsed, RewriteFailed, ETH_P_IP, IP_DADDR_OFF, IP_SADDR_OFF, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+    IcmpError, Parsed, RewriteFailed, ETH_P_IP, IP_DADDR_OFF, IP_SADDR_OFF, TCP_ACK, TCP_SYN,
 };
 use crate::packet6::ETH_P_IPV6;
 use crate::{reject, route};
@@ -157,8 +162,8 @@ fn ingress(ctx: &TcContext) -> i32 {
             backend_id,
             rev_nat_id: frontend.rev_nat_id,
             nat: ct::NAT_DNAT,
-            tcp_seen: tcp_seen_after(0, flow.proto, flow.tcp_flags),
-            last_seen_ns: now,
+            pad: 0,
+            state: new_state(&Packet::of(&flow), now),
         };
         // A backend on another node answers to whoever the packet comes from: unless a `Local`
         // policy keeps the client's address (and then only local backends are listed), the
@@ -167,19 +172,20 @@ fn ingress(ctx: &TcContext) -> i32 {
             match snat_address(ctx, &flow, frontend.flags) {
                 None => count(stat::TC_REMOTE_BACKEND_NO_SNAT),
                 Some(snat_addr_be) => {
-                    let Some(port_be) = free_snat_port(&entry, flow.proto, snat_addr_be) else {
+                    entry.nat |= ct::NAT_SNAT;
+                    entry.snat_addr_be = snat_addr_be;
+                    let Some(port_be) = claim_snat_port(&entry, flow.proto, now) else {
                         count(stat::TC_SNAT_NO_PORT);
                         return DROP;
                     };
-                    entry.nat |= ct::NAT_SNAT;
-                    entry.snat_addr_be = snat_addr_be;
                     entry.snat_port_be = port_be;
                 }
             }
         }
         // Translate even when the entry cannot be written: the packet is still better served
         // than dropped (an SNATed flow's replies then stay unanswered, as with a full table).
-        count(if record(&flow, &entry).is_ok() { stat::TC_CT_NEW } else { stat::TC_CT_RECORD_FAIL });
+        let claimed = entry.nat & ct::NAT_SNAT != 0;
+        count(if record(&flow, &entry, claimed).is_ok() { stat::TC_CT_NEW } else { stat::TC_CT_RECORD_FAIL });
         let snat = (entry.nat & ct::NAT_SNAT != 0).then_some((entry.snat_addr_be, entry.snat_port_be));
         Target { addr_be: backend.addr_be, port_be: backend.port_be, snat }
     };
@@ -253,25 +259,70 @@ fn snat_address(ctx: &TcContext, flow: &Flow, frontend_flags: u8) -> Option<u32>
     IFADDR4.get_ptr(&ifindex).map(|a| unsafe { (*a).addr_be })
 }
 
-/// A source port on `snat_addr_be` that no other flow to the same backend uses. A few random
-/// tries, then give up (the range is large; a full one means far more flows than the table holds).
+/// The search for an SNAT port (`bpf_loop`'s context): the flow's reply entry, tried with one
+/// port after the other.
+#[repr(C)]
+struct PortSearch {
+    entry: CtEntry4,
+    key: CtKey4,
+    now: u64,
+    start: u32,
+    ports: u32,
+    proto: u8,
+    found: u8,
+    pad: [u8; 6],
+}
+
+/// Claims a source port on `entry.snat_addr_be` for a new flow to `entry`'s backend by inserting
+/// the flow's reply entry (see `ct::claim`), and returns it. The search starts at a random port
+/// of the range (`DatapathConfig`) and goes on through the whole range while ports are held by
+/// live flows; None only when every port is (or the map refuses). Its cost grows with how full
+/// the range is: one failed insert and one lookup per held port.
 #[inline(always)]
-fn free_snat_port(entry: &CtEntry4, proto: u8, snat_addr_be: u32) -> Option<u16> {
-    let range = u32::from(ct::SNAT_PORT_MAX - ct::SNAT_PORT_MIN) + 1;
-    for _ in 0..4 {
-        let port = (u32::from(ct::SNAT_PORT_MIN) + unsafe { bpf_get_prandom_u32() } % range) as u16;
-        let candidate = CtEntry4 { nat: ct::NAT_SNAT, snat_addr_be, snat_port_be: port.to_be(), ..*entry };
-        if CT4.get_ptr(&reply_key_of(&candidate, proto, 0, 0)).is_none() {
-            return Some(port.to_be());
+fn claim_snat_port(entry: &CtEntry4, proto: u8, now: u64) -> Option<u16> {
+    let ports = CONFIG.get(0).map_or(0, |c| c.snat_port_count());
+    let start = unsafe { bpf_get_prandom_u32() }.checked_rem(ports)?;
+    let mut search = PortSearch {
+        entry: *entry,
+        key: reply_key_of(entry, proto, 0, 0),
+        now,
+        start,
+        ports,
+        proto,
+        found: 0,
+        pad: [0; 6],
+    };
+    // The reply entry learns the backend's sequence numbers from its first answer.
+    search.entry.state.seq_next = 0;
+    let callback: unsafe extern "C" fn(u64, *mut c_void) -> c_long = try_snat_port;
+    unsafe { bpf_loop(ports, callback as *mut c_void, (&raw mut search).cast(), 0) };
+    (search.found != 0).then_some(search.entry.snat_port_be)
+}
+
+/// One step of [`claim_snat_port`]: 0 to go on, 1 to stop.
+unsafe extern "C" fn try_snat_port(index: u64, search: *mut c_void) -> c_long {
+    let search = unsafe { &mut *search.cast::<PortSearch>() };
+    let Some(config) = CONFIG.get(0) else { return 1 };
+    let Some(slot) = (search.start.wrapping_add(index as u32)).checked_rem(search.ports) else { return 1 };
+    let port_be = config.snat_port(slot).to_be();
+    search.entry.snat_port_be = port_be;
+    search.key.dport_be = port_be;
+    match claim(&CT4, &search.key, &search.entry, search.proto, search.now) {
+        Claim::Taken => {
+            search.found = 1;
+            1
         }
+        Claim::Held => 0,
+        Claim::Failed => 1,
     }
-    None
 }
 
 /// backend:port -> node:SNAT port becomes frontend -> client, sent on to the client.
 #[inline(always)]
 fn snat_reply(ctx: &TcContext, flow: &Flow, entry: &mut CtEntry4, now: u64) -> i32 {
-    entry.last_seen_ns = now;
+    if observe(&mut entry.state, &Packet::of(flow), true, now) {
+        share_state(&CT4, &forward_key_of(entry, flow.proto), entry);
+    }
     let entry = *entry;
     let rewritten = rewrite_addr(ctx, flow, IP_SADDR_OFF, flow.saddr_be, entry.frontend_addr_be)
         .and_then(|()| rewrite_port(ctx, flow, flow.l4_off, flow.sport_be, entry.frontend_port_be))
@@ -281,30 +332,8 @@ fn snat_reply(ctx: &TcContext, flow: &Flow, entry: &mut CtEntry4, now: u64) -> i
         count(stat::TC_REWRITE_FAIL);
         return DROP;
     }
-    note_close(flow, entry.client_addr_be, entry.client_port_be, &entry);
     count(stat::TC_SNAT_REPLY);
     forward_routed(ctx, flow.proto, entry.frontend_addr_be, entry.client_addr_be)
-}
-
-/// The backend closing counts for the flow's timeout too (the forward entry decides it).
-#[inline(always)]
-fn note_close(flow: &Flow, client_addr_be: u32, client_port_be: u16, entry: &CtEntry4) {
-    if flow.tcp_flags & (TCP_FIN | TCP_RST) == 0 {
-        return;
-    }
-    let forward = CtKey4 {
-        saddr_be: client_addr_be,
-        daddr_be: entry.frontend_addr_be,
-        sport_be: client_port_be,
-        dport_be: entry.frontend_port_be,
-        proto: flow.proto,
-        dir: ct::DIR_FORWARD,
-        pad: [0; 2],
-    };
-    if let Some(forward) = CT4.get_ptr_mut(&forward) {
-        let forward = unsafe { &mut *forward };
-        forward.tcp_seen = tcp_seen_after(forward.tcp_seen, flow.proto, flow.tcp_flags);
-    }
 }
 
 /// An ICMP error about a packet we translated, so that path-MTU discovery and unreachable
@@ -360,23 +389,31 @@ fn icmp_error(ctx: &TcContext, error: &IcmpError) -> i32 {
 /// As with kube-proxy's conntrack: a TCP connection stays on its backend whatever happens to the
 /// Service's endpoints (a terminating pod finishes its connections), while a UDP flow whose
 /// backend went away (kube-proxy flushes those entries) gets a new pick, and so does a new
-/// connection (a bare SYN) reusing the tuple of a tracked one.
+/// connection (a bare SYN) reusing the tuple of a closed one or of one whose backend is gone.
+/// (The closed flow's reply entry keeps its SNAT port until it expires: the backend may hold
+/// that tuple in TIME_WAIT.)
 #[inline(always)]
 fn tracked_backend(flow: &Flow, now: u64) -> Option<Target> {
     let entry = CT4.get_ptr_mut(&forward_key(flow))?;
     let entry = unsafe { &mut *entry };
-    if is_expired(entry, flow.proto, now) {
+    if ct::is_expired(&entry.state, flow.proto, now) {
         return None;
     }
-    if flow.proto != IPPROTO_TCP || flow.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+    let bare_syn = flow.proto == IPPROTO_TCP && flow.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    if bare_syn && entry.state.tcp_seen & (ct::TCP_FIN | ct::TCP_RST) != 0 {
+        count(stat::TC_CT_REOPENED);
+        return None;
+    }
+    if flow.proto != IPPROTO_TCP || bare_syn {
         let backend = BACKENDS4.get_ptr(&entry.backend_id)?;
         let backend = unsafe { *backend };
         if backend.addr_be != entry.backend_addr_be || backend.port_be != entry.backend_port_be {
             return None;
         }
     }
-    entry.last_seen_ns = now;
-    entry.tcp_seen = tcp_seen_after(entry.tcp_seen, flow.proto, flow.tcp_flags);
+    if observe(&mut entry.state, &Packet::of(flow), false, now) {
+        share_state(&CT4, &reply_key_of(entry, flow.proto, flow.saddr_be, flow.sport_be), entry);
+    }
     let snat = (entry.nat & ct::NAT_SNAT != 0).then_some((entry.snat_addr_be, entry.snat_port_be));
     Some(Target { addr_be: entry.backend_addr_be, port_be: entry.backend_port_be, snat })
 }
@@ -393,7 +430,9 @@ fn egress(ctx: &TcContext) -> i32 {
         // Replies of SNATed flows are addressed to the node and handled on ingress.
         return PASS;
     }
-    entry.last_seen_ns = now_ns();
+    if observe(&mut entry.state, &Packet::of(&flow), true, now_ns()) {
+        share_state(&CT4, &forward_key_of(entry, flow.proto), entry);
+    }
     let (frontend_addr_be, frontend_port_be) = (entry.frontend_addr_be, entry.frontend_port_be);
 
     let rewritten = rewrite_addr(ctx, &flow, IP_SADDR_OFF, flow.saddr_be, frontend_addr_be)
@@ -402,7 +441,6 @@ fn egress(ctx: &TcContext) -> i32 {
         count(stat::TC_REWRITE_FAIL);
         return DROP;
     }
-    note_close(&flow, flow.daddr_be, flow.dport_be, entry);
     count(stat::TC_REV_NAT);
     PASS
 }

@@ -10,9 +10,11 @@
 //! work area ([`Work6`]) and are handled by reference; the stages are separate functions whose
 //! frames do not nest more than two deep.
 
+use core::ffi::{c_long, c_void};
+
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    helpers::bpf_get_prandom_u32,
+    helpers::{bpf_get_prandom_u32, bpf_loop},
     macros::map,
     maps::PerCpuArray,
     programs::TcContext,
@@ -23,9 +25,9 @@ use proxy_abi::{
 };
 
 use crate::affinity;
-use crate::ct::{is_expired6, now_ns, reply_key_of6, tcp_seen_after};
-use crate::maps::{count, BACKENDS6, CT6, IFADDR6, SERVICES6};
-use crate::packet::{rewrite_inner_port, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
+use crate::ct::{claim, new_state, now_ns, observe, reply_key_of6, share_state, Claim, Packet};
+use crate::maps::{count, BACKENDS6, CONFIG, CT6, IFADDR6, SERVICES6};
+use crate::packet::{rewrite_inner_port, TCP_ACK, TCP_SYN};
 use crate::packet6::{
     parse6, rewrite_addr6, rewrite_inner_addr6, rewrite_outer_daddr6, rewrite_port6, Flow6,
     Parsed6, Parsed6Out, IP6_DADDR_OFF, IP6_SADDR_OFF,
@@ -44,6 +46,25 @@ pub struct Work6 {
     /// A conntrack key being looked up or written.
     pub key: CtKey6,
     pub svc: ServiceKey6,
+}
+
+/// What `try_snat_port6` needs besides `Work6::entry` (the reply entry being claimed) and
+/// `Work6::key` (its key): on the stack, as `bpf_loop` wants its context.
+#[repr(C)]
+struct PortSearch6 {
+    now: u64,
+    start: u32,
+    ports: u32,
+    proto: u8,
+    found: u8,
+    pad: [u8; 6],
+}
+
+impl Flow6 {
+    #[inline(always)]
+    fn packet(&self) -> Packet {
+        Packet { proto: self.proto, flags: self.tcp_flags, seq: self.seq, seq_end: self.seq_end }
+    }
 }
 
 #[map(name = "epx_work6")]
@@ -146,19 +167,27 @@ fn tracked6(w: &mut Work6, now: u64) -> bool {
     set_key(&mut w.key, &flow.saddr, &flow.daddr, flow.sport_be, flow.dport_be, flow.proto, ct::DIR_FORWARD);
     let Some(entry) = CT6.get_ptr_mut(&w.key) else { return false };
     let entry = unsafe { &mut *entry };
-    if is_expired6(entry, flow.proto, now) {
+    if ct::is_expired(&entry.state, flow.proto, now) {
         return false;
     }
-    if flow.proto != IPPROTO_TCP || flow.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+    let bare_syn = flow.proto == IPPROTO_TCP && flow.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    if bare_syn && entry.state.tcp_seen & (ct::TCP_FIN | ct::TCP_RST) != 0 {
+        count(stat::TC_CT_REOPENED);
+        return false;
+    }
+    if flow.proto != IPPROTO_TCP || bare_syn {
         let Some(backend) = BACKENDS6.get_ptr(&entry.backend_id) else { return false };
         let backend = unsafe { &*backend };
         if backend.addr != entry.backend_addr || backend.port_be != entry.backend_port_be {
             return false;
         }
     }
-    entry.last_seen_ns = now;
-    entry.tcp_seen = tcp_seen_after(entry.tcp_seen, flow.proto, flow.tcp_flags);
+    let shared = observe(&mut entry.state, &flow.packet(), false, now);
     w.entry = *entry;
+    if shared {
+        w.key = reply_key_of6(&w.entry, flow.proto, flow.saddr, flow.sport_be);
+        share_state(&CT6, &w.key, &w.entry);
+    }
     true
 }
 
@@ -198,8 +227,8 @@ fn new_flow6(ctx: &TcContext, w: &mut Work6, frontend: &ServiceValue4, now: u64)
     entry.backend_id = backend_id;
     entry.rev_nat_id = frontend.rev_nat_id;
     entry.nat = ct::NAT_DNAT;
-    entry.tcp_seen = tcp_seen_after(0, flow.proto, flow.tcp_flags);
-    entry.last_seen_ns = now;
+    entry.pad = 0;
+    entry.state = new_state(&flow.packet(), now);
     // A backend on another node answers to whoever the packet comes from (see `tc::ingress`).
     if backend.flags & backend_flags::LOCAL == 0 && frontend.flags & svc_flags::LOCAL_ONLY == 0 {
         let ifindex = unsafe { (*ctx.skb.skb).ifindex };
@@ -213,29 +242,36 @@ fn new_flow6(ctx: &TcContext, w: &mut Work6, frontend: &ServiceValue4, now: u64)
             Some(snat_addr) => {
                 entry.nat |= ct::NAT_SNAT;
                 entry.snat_addr = snat_addr;
-                if !free_snat_port6(entry, &mut w.key, flow.proto) {
+                if !claim_snat_port6(w, now) {
                     count(stat::TC_SNAT_NO_PORT);
                     return false;
                 }
             }
         }
     }
-    // Forward and reply entries, both or neither (see `ct::record`).
-    set_key(&mut w.key, &flow.saddr, &flow.daddr, flow.sport_be, flow.dport_be, flow.proto, ct::DIR_FORWARD);
-    let recorded = if CT6.insert(&w.key, &*entry, 0).is_err() {
-        false
-    } else {
-        w.key = reply_key_of6(entry, flow.proto, flow.saddr, flow.sport_be);
-        if CT6.insert(&w.key, &*entry, 0).is_ok() {
-            true
-        } else {
-            set_key(&mut w.key, &flow.saddr, &flow.daddr, flow.sport_be, flow.dport_be, flow.proto, ct::DIR_FORWARD);
-            let _ = CT6.remove(&w.key);
-            false
-        }
-    };
-    count(if recorded { stat::TC_CT_NEW } else { stat::TC_CT_RECORD_FAIL });
+    count(if record6(w) { stat::TC_CT_NEW } else { stat::TC_CT_RECORD_FAIL });
     true
+}
+
+/// Records the flow of `w.entry`, as `ct::record`: the reply entry (unless the port search
+/// claimed it), then the forward entry; both or neither.
+#[inline(always)]
+fn record6(w: &mut Work6) -> bool {
+    let flow = &w.parsed.flow;
+    let claimed = w.entry.nat & ct::NAT_SNAT != 0;
+    w.key = reply_key_of6(&w.entry, flow.proto, flow.saddr, flow.sport_be);
+    if !claimed && CT6.insert(&w.key, &w.entry, 0).is_err() {
+        return false;
+    }
+    // The forward entry knows the client's next sequence number.
+    w.entry.state.seq_next = flow.seq_end;
+    set_key(&mut w.key, &flow.saddr, &flow.daddr, flow.sport_be, flow.dport_be, flow.proto, ct::DIR_FORWARD);
+    if CT6.insert(&w.key, &w.entry, 0).is_ok() {
+        return true;
+    }
+    w.key = reply_key_of6(&w.entry, flow.proto, flow.saddr, flow.sport_be);
+    let _ = CT6.remove(&w.key);
+    false
 }
 
 #[inline(always)]
@@ -248,20 +284,37 @@ fn random_pick6(svc: &mut ServiceKey6, frontend: &ServiceValue4) -> Option<(u32,
     Some((backend_id, unsafe { *backend }))
 }
 
-/// Sets `entry.snat_port_be` to a source port no other flow to the same backend uses on
-/// `entry.snat_addr` (a few random tries).
+/// Sets `w.entry.snat_port_be` to a port on `w.entry.snat_addr` claimed for the new flow by
+/// inserting its reply entry: `tc::claim_snat_port` for IPv6.
 #[inline(always)]
-fn free_snat_port6(entry: &mut CtEntry6, key: &mut CtKey6, proto: u8) -> bool {
-    let range = u32::from(ct::SNAT_PORT_MAX - ct::SNAT_PORT_MIN) + 1;
-    for _ in 0..4 {
-        let port = (u32::from(ct::SNAT_PORT_MIN) + unsafe { bpf_get_prandom_u32() } % range) as u16;
-        set_key(key, &entry.backend_addr, &entry.snat_addr, entry.backend_port_be, port.to_be(), proto, ct::DIR_REPLY);
-        if CT6.get_ptr(&*key).is_none() {
-            entry.snat_port_be = port.to_be();
-            return true;
+fn claim_snat_port6(w: &mut Work6, now: u64) -> bool {
+    let ports = CONFIG.get(0).map_or(0, |c| c.snat_port_count());
+    let Some(start) = unsafe { bpf_get_prandom_u32() }.checked_rem(ports) else { return false };
+    let proto = w.parsed.flow.proto;
+    let mut search = PortSearch6 { now, start, ports, proto, found: 0, pad: [0; 6] };
+    w.key = reply_key_of6(&w.entry, proto, [0; 4], 0);
+    let callback: unsafe extern "C" fn(u64, *mut c_void) -> c_long = try_snat_port6;
+    unsafe { bpf_loop(ports, callback as *mut c_void, (&raw mut search).cast(), 0) };
+    search.found != 0
+}
+
+/// One step of [`claim_snat_port6`]: 0 to go on, 1 to stop. The entry and key are this CPU's
+/// work area, looked up again (a map value cannot be `bpf_loop`'s context).
+unsafe extern "C" fn try_snat_port6(index: u64, search: *mut c_void) -> c_long {
+    let search = unsafe { &mut *search.cast::<PortSearch6>() };
+    let (Some(w), Some(config)) = (work(), CONFIG.get(0)) else { return 1 };
+    let Some(slot) = (search.start.wrapping_add(index as u32)).checked_rem(search.ports) else { return 1 };
+    let port_be = config.snat_port(slot).to_be();
+    w.entry.snat_port_be = port_be;
+    w.key.dport_be = port_be;
+    match claim(&CT6, &w.key, &w.entry, search.proto, search.now) {
+        Claim::Taken => {
+            search.found = 1;
+            1
         }
+        Claim::Held => 0,
+        Claim::Failed => 1,
     }
-    false
 }
 
 #[inline(always)]
@@ -280,8 +333,11 @@ fn forward_routed6(ctx: &TcContext, proto: u8, saddr: &[u32; 4], daddr: &[u32; 4
 fn snat_reply6(ctx: &TcContext, w: &mut Work6, now: u64) -> i32 {
     let Some(entry) = CT6.get_ptr_mut(&w.key) else { return PASS };
     let entry = unsafe { &mut *entry };
-    entry.last_seen_ns = now;
+    let shared = observe(&mut entry.state, &w.parsed.flow.packet(), true, now);
     w.entry = *entry;
+    if shared {
+        share_with_forward6(w);
+    }
     let flow = &w.parsed.flow;
     let entry = &w.entry;
     let rewritten = rewrite_addr6(ctx, flow, IP6_SADDR_OFF, &flow.saddr, &entry.frontend_addr)
@@ -292,22 +348,16 @@ fn snat_reply6(ctx: &TcContext, w: &mut Work6, now: u64) -> i32 {
         count(stat::TC_REWRITE_FAIL);
         return DROP;
     }
-    note_close6(&mut w.key, flow, &entry.client_addr, entry.client_port_be, entry);
     count(stat::TC_SNAT_REPLY);
     forward_routed6(ctx, flow.proto, &entry.frontend_addr, &entry.client_addr)
 }
 
-/// The backend closing counts for the flow's timeout too (the forward entry decides it).
+/// Copies the state of `w.entry`, a reply entry, to its flow's forward entry (`ct::share_state`).
 #[inline(always)]
-fn note_close6(key: &mut CtKey6, flow: &Flow6, client_addr: &[u32; 4], client_port_be: u16, entry: &CtEntry6) {
-    if flow.tcp_flags & (TCP_FIN | TCP_RST) == 0 {
-        return;
-    }
-    set_key(key, client_addr, &entry.frontend_addr, client_port_be, entry.frontend_port_be, flow.proto, ct::DIR_FORWARD);
-    if let Some(forward) = CT6.get_ptr_mut(&*key) {
-        let forward = unsafe { &mut *forward };
-        forward.tcp_seen = tcp_seen_after(forward.tcp_seen, flow.proto, flow.tcp_flags);
-    }
+fn share_with_forward6(w: &mut Work6) {
+    let entry = &w.entry;
+    set_key(&mut w.key, &entry.client_addr, &entry.frontend_addr, entry.client_port_be, entry.frontend_port_be, w.parsed.flow.proto, ct::DIR_FORWARD);
+    share_state(&CT6, &w.key, &w.entry);
 }
 
 /// `tc::icmp_error` for ICMPv6.
@@ -361,8 +411,12 @@ pub fn egress6(ctx: &TcContext) -> i32 {
         // Replies of SNATed flows are addressed to the node and handled on ingress.
         return PASS;
     }
-    entry.last_seen_ns = now_ns();
+    let shared = observe(&mut entry.state, &flow.packet(), true, now_ns());
     w.entry = *entry;
+    if shared {
+        share_with_forward6(w);
+    }
+    let flow = &w.parsed.flow;
     let entry = &w.entry;
     let rewritten = rewrite_addr6(ctx, flow, IP6_SADDR_OFF, &flow.saddr, &entry.frontend_addr)
         .and_then(|()| rewrite_port6(ctx, flow, flow.l4_off, flow.sport_be, entry.frontend_port_be));
@@ -370,7 +424,6 @@ pub fn egress6(ctx: &TcContext) -> i32 {
         count(stat::TC_REWRITE_FAIL);
         return DROP;
     }
-    note_close6(&mut w.key, flow, &flow.daddr, flow.dport_be, entry);
     count(stat::TC_REV_NAT);
     PASS
 }

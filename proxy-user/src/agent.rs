@@ -73,6 +73,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         kernel::load(&args.bpffs, &cgroup, &caps, object.as_deref()).context("setting up the datapath")?;
     kernel::tc::attach(&mut datapath, &args.bpffs, &interfaces, args.tc_attach)
         .with_context(|| format!("attaching the packet-level programs to {interfaces:?}"))?;
+    configure_snat_ports(&args)?;
+    for path in kernel::remove_obsolete_pins(&args.bpffs) {
+        tracing::info!(pin = %path.display(), "unpinned a map of an earlier layout that no program uses any more");
+    }
     let mut reconciler =
         Reconciler::adopt(datapath.maps).context("reading the pinned maps")?.with_algorithm(args.lb_algorithm);
     tracing::info!(
@@ -132,6 +136,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             source::kube::start(client, &args.node_name, source_health)
         }
     };
+    let mut conntrack_gc = tokio::time::interval(args.conntrack_gc_interval);
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     // Frontends that did not fit (e.g. a full map) are retried on this tick.
@@ -148,6 +153,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             changed = source.generation.changed() => if changed.is_err() { anyhow::bail!("the source stopped") },
             _ = retry.tick(), if failing => {}
             _ = address_poll.tick() => if crate::netif::node_addresses().ok().as_ref() == Some(&config.interface_addresses) { continue },
+            _ = conntrack_gc.tick() => {
+                remove_expired_flows(&args.bpffs);
+                continue;
+            }
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
@@ -259,6 +268,31 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     }
     tracing::info!("stopping; the datapath stays attached and keeps serving the last state (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// Tells the kernel programs which SNAT ports they may use: `--snat-port-range` without the
+/// node's ephemeral range.
+fn configure_snat_ports(args: &AgentArgs) -> anyhow::Result<()> {
+    let ephemeral = crate::snat_ports::ephemeral_range().context("reading net.ipv4.ip_local_port_range")?;
+    let (config, ports) = crate::snat_ports::datapath_config(args.snat_port_range, ephemeral).map_err(anyhow::Error::msg)?;
+    kernel::write_config(&args.bpffs, &config).context("writing the datapath settings")?;
+    tracing::info!(
+        range = %args.snat_port_range,
+        ephemeral = %ephemeral,
+        ports,
+        "SNAT source ports: the range without the node's ephemeral ports"
+    );
+    Ok(())
+}
+
+/// Deletes conntrack entries past their timeout, off the async workers.
+fn remove_expired_flows(bpffs: &std::path::Path) {
+    let bpffs = bpffs.to_owned();
+    tokio::task::spawn_blocking(move || match kernel::remove_expired_flows(&bpffs) {
+        Ok(0) => {}
+        Ok(removed) => tracing::debug!(removed, "removed expired conntrack entries"),
+        Err(error) => tracing::warn!("cannot remove expired conntrack entries: {}", error_chain(&error)),
+    });
 }
 
 /// Local clients' connected UDP sockets were translated once, at connect(); those whose backend

@@ -95,6 +95,9 @@ pub struct DumpedFlow {
     /// TCP state seen so far: `syn`, `established`, `closing` (FIN or RST); empty for UDP.
     pub tcp_state: String,
     pub idle_seconds: u64,
+    /// Past its timeout: the kernel treats it as gone, and the agent's garbage collection
+    /// deletes it within `--conntrack-gc-interval`.
+    pub expired: bool,
 }
 
 /// What `dump` shows of one conntrack entry of either family.
@@ -106,8 +109,7 @@ struct FlowView {
     backend: String,
     backend_id: u32,
     rev_nat_id: u16,
-    tcp_seen: u8,
-    last_seen_ns: u64,
+    state: proxy_abi::CtState,
 }
 
 fn flows6(entries: Vec<(proxy_abi::CtKey6, proxy_abi::CtEntry6)>) -> Vec<FlowView> {
@@ -122,8 +124,7 @@ fn flows6(entries: Vec<(proxy_abi::CtKey6, proxy_abi::CtEntry6)>) -> Vec<FlowVie
             backend: addr(entry.backend_addr, entry.backend_port_be),
             backend_id: entry.backend_id,
             rev_nat_id: entry.rev_nat_id,
-            tcp_seen: entry.tcp_seen,
-            last_seen_ns: entry.last_seen_ns,
+            state: entry.state,
         })
         .collect()
 }
@@ -141,8 +142,7 @@ fn flows4(entries: Vec<(proxy_abi::CtKey4, proxy_abi::CtEntry4)>) -> Vec<FlowVie
             backend: addr(entry.backend_addr_be, entry.backend_port_be),
             backend_id: entry.backend_id,
             rev_nat_id: entry.rev_nat_id,
-            tcp_seen: entry.tcp_seen,
-            last_seen_ns: entry.last_seen_ns,
+            state: entry.state,
         })
         .collect()
 }
@@ -166,14 +166,15 @@ fn flows(entries: Vec<FlowView>) -> Vec<DumpedFlow> {
             rev_nat_id: view.rev_nat_id,
             tcp_state: if view.proto != proxy_abi::IPPROTO_TCP {
                 String::new()
-            } else if view.tcp_seen & (ct::TCP_FIN | ct::TCP_RST) != 0 {
+            } else if view.state.tcp_seen & (ct::TCP_FIN | ct::TCP_RST) != 0 {
                 "closing".into()
-            } else if view.tcp_seen & ct::TCP_ESTABLISHED != 0 {
+            } else if view.state.tcp_seen & ct::TCP_ESTABLISHED != 0 {
                 "established".into()
             } else {
                 "syn".into()
             },
-            idle_seconds: now_ns.saturating_sub(view.last_seen_ns) / 1_000_000_000,
+            idle_seconds: now_ns.saturating_sub(view.state.last_seen_ns) / 1_000_000_000,
+            expired: ct::is_expired(&view.state, view.proto, now_ns),
         })
         .collect();
     flows.sort_by(|a, b| (&a.frontend, &a.client).cmp(&(&b.frontend, &b.client)));
@@ -181,7 +182,7 @@ fn flows(entries: Vec<FlowView>) -> Vec<DumpedFlow> {
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock the kernel side stamps entries with.
-fn monotonic_now_ns() -> u64 {
+pub fn monotonic_now_ns() -> u64 {
     // SAFETY: clock_gettime with a valid out-parameter.
     unsafe {
         let mut ts: libc::timespec = std::mem::zeroed();

@@ -144,7 +144,7 @@ struct MapLayout {
     max_entries: u32,
 }
 
-fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 15] {
+fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 16] {
     use std::mem::size_of;
     let size = |n: usize| n as u32;
     [
@@ -252,6 +252,13 @@ fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 15] {
             key_size: 4,
             value_size: size(size_of::<proxy_abi::IfAddr6>()),
             max_entries: capacity::IFADDR6,
+        },
+        MapLayout {
+            name: map_name::CONFIG,
+            map_type: MapType::Array,
+            key_size: 4,
+            value_size: size(size_of::<proxy_abi::DatapathConfig>()),
+            max_entries: 1,
         },
     ]
 }
@@ -723,6 +730,38 @@ pub fn purge_stale_flows(bpffs: &Path) -> Result<PurgedFlows, DatapathError> {
 fn remove_where<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, stale: impl Fn(&K, &V) -> bool) -> usize {
     let keys: Vec<K> = map.iter().filter_map(Result::ok).filter(|(k, v)| stale(k, v)).map(|(k, _)| k).collect();
     keys.iter().filter(|key| map.remove(key).is_ok()).count()
+}
+
+/// Writes the agent's settings for the kernel programs (`epx_cfg_v1`); programs read them per
+/// packet, so a change applies to the next new flow.
+pub fn write_config(bpffs: &Path, config: &proxy_abi::DatapathConfig) -> Result<(), DatapathError> {
+    let map = open_pinned_map(bpffs, map_name::CONFIG)?;
+    let mut array: aya::maps::Array<MapData, proxy_abi::DatapathConfig> =
+        aya::maps::Array::try_from(map).map_err(|source| DatapathError::MapLayout { name: map_name::CONFIG, source })?;
+    array.set(0, config, 0).map_err(|source| DatapathError::MapWrite { name: map_name::CONFIG, source })
+}
+
+/// Unpins the maps of earlier layouts (`map_name::OBSOLETE`) that no program of this build
+/// uses; returns the paths removed. Called once this build's programs are attached, so the old
+/// programs (the only users of those maps) are gone.
+pub fn remove_obsolete_pins(bpffs: &Path) -> Vec<PathBuf> {
+    map_name::OBSOLETE
+        .iter()
+        .map(|name| bpffs.join(name))
+        .filter(|path| fs::remove_file(path).is_ok())
+        .collect()
+}
+
+/// Deletes the conntrack entries of both families that are past their timeout (`ct::is_expired`,
+/// the rule the kernel programs apply too): the kernel already treats them as gone, this keeps
+/// the LRU and `dump` to live flows. Returns how many it removed. Costs two map syscalls per
+/// entry held (aya 0.14 has no batch lookup).
+pub fn remove_expired_flows(bpffs: &Path) -> Result<usize, DatapathError> {
+    let now = crate::dump::monotonic_now_ns();
+    let expired4 = |k: &CtKey4, v: &CtEntry4| proxy_abi::ct::is_expired(&v.state, k.proto, now);
+    let expired6 = |k: &CtKey6, v: &CtEntry6| proxy_abi::ct::is_expired(&v.state, k.proto, now);
+    Ok(remove_where(&mut open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?, expired4)
+        + remove_where(&mut open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?, expired6))
 }
 
 /// Detaches (by unpinning the links) and unpins everything under `bpffs`. Returns what it removed.

@@ -13,6 +13,7 @@ mod metrics;
 mod netif;
 mod reconcile;
 mod maglev;
+mod snat_ports;
 mod sockdestroy;
 mod source;
 
@@ -130,6 +131,18 @@ pub struct AgentArgs {
     /// Capacity of the session-affinity LRU (client × frontend with `sessionAffinity: ClientIP`).
     #[arg(long, default_value_t = proxy_abi::capacity::AFFINITY4)]
     pub map_size_affinity: u32,
+    /// Source ports for SNAT (traffic from outside to a backend on another node), per node
+    /// address, backend and protocol. The node's own ephemeral range
+    /// (`net.ipv4.ip_local_port_range`) is left out, so no SNATed flow takes the tuple of one
+    /// of the node's connections: 36,280 ports with the kernel's default 32768-60999. A port is
+    /// free again once its flow has ended (10 s after a close, 65 s when the backend closed first
+    /// and holds the tuple in TIME_WAIT) or timed out.
+    #[arg(long, default_value = "1024-65535", value_parser = snat_ports::PortRange::parse)]
+    pub snat_port_range: snat_ports::PortRange,
+    /// How often conntrack entries past their timeout are deleted (the kernel already ignores
+    /// them; this keeps the LRU and `dump` to live flows).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub conntrack_gc_interval: Duration,
     /// Load the kernel programs from this eBPF object file instead of the one built into the
     /// binary (a hotfix or an upgrade test). The attached programs are swapped atomically.
     #[arg(long)]

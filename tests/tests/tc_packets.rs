@@ -293,7 +293,7 @@ fn replies_of_a_translated_flow_leave_from_the_frontend() {
     assert_eq!(u16::from_be(reply.0.dport_be), CLIENT.port());
     assert_eq!(forward.1.backend_id, 1);
     assert_eq!(forward.1.rev_nat_id, 7);
-    assert_eq!(forward.1.tcp_seen, ct::TCP_SYN);
+    assert_eq!(forward.1.state.tcp_seen, ct::TCP_SYN);
 
     let syn_ack = |src| Frame::tcp(src, CLIENT, TCP_SYN | TCP_ACK).build();
     let out = programs.run(EGRESS, &syn_ack(BACKEND_A)).unwrap();
@@ -308,7 +308,7 @@ fn replies_of_a_translated_flow_leave_from_the_frontend() {
     // A FIN from the backend moves the flow towards its closing timeout.
     programs.run(EGRESS, &Frame::tcp(BACKEND_A, CLIENT, TCP_FIN | TCP_ACK).build()).unwrap();
     let forward = programs.conntrack().unwrap().into_iter().find(|(k, _)| k.dir == ct::DIR_FORWARD).unwrap();
-    assert_ne!(forward.1.tcp_seen & ct::TCP_FIN, 0, "{forward:?}");
+    assert_ne!(forward.1.state.tcp_seen & ct::TCP_FIN, 0, "{forward:?}");
 }
 
 #[test]
@@ -454,7 +454,10 @@ fn a_nodeport_flow_to_a_backend_on_another_node_is_snated_and_its_replies_return
         assert_eq!(out.verdict, TC_ACT_REDIRECT, "sent on by the program itself: {out:?}");
         let ip = read_ipv4(&out.frame).expect("IPv4");
         let snat_port = u16::from_be_bytes([ip.l4[0], ip.l4[1]]);
-        assert!(snat_port >= ct::SNAT_PORT_MIN, "SNAT port {snat_port} must be above the node's own ephemeral range");
+        assert!(
+            snat_port >= ct::SNAT_PORT_MIN && !(ct::SNAT_SKIP_MIN..=ct::SNAT_SKIP_MAX).contains(&snat_port),
+            "SNAT port {snat_port} must be outside the node's own ephemeral range"
+        );
         let snated = SocketAddrV4::new(*NODE_PORT.ip(), snat_port);
         let routed = |frame: Frame| Frame { src_mac: NODE_LINK_MAC, dst_mac: OTHER_NODE_MAC, ..frame }.build();
         assert_eq!(out.frame, routed(Frame::tcp(snated, REMOTE_BACKEND, TCP_SYN)), "from the node address, to the other node");

@@ -189,7 +189,10 @@ fn an_ipv6_node_port_flow_to_a_backend_on_another_node_is_snated_and_its_replies
         assert_eq!(out.verdict, TC_ACT_REDIRECT, "sent on by the program itself: {out:?}");
         let ip = read_ipv6(&out.frame).expect("IPv6");
         let snat_port = u16::from_be_bytes([ip.l4[0], ip.l4[1]]);
-        assert!(snat_port >= ct::SNAT_PORT_MIN, "SNAT port {snat_port} must be above the node's own ephemeral range");
+        assert!(
+            snat_port >= ct::SNAT_PORT_MIN && !(ct::SNAT_SKIP_MIN..=ct::SNAT_SKIP_MAX).contains(&snat_port),
+            "SNAT port {snat_port} must be outside the node's own ephemeral range"
+        );
         let snated = SocketAddrV6::new(*node_port().ip(), snat_port, 0, 0);
         let routed = |frame: Frame6| Frame6 { src_mac: NODE_LINK_MAC, dst_mac: OTHER_NODE_MAC, ..frame }.build();
         assert_eq!(out.frame, routed(Frame6::tcp(snated, remote_backend(), TCP_SYN)), "from the node address, to the other node");

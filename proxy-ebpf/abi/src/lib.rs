@@ -16,7 +16,9 @@ pub mod map_name {
     pub const REV_SOCK4: &str = "epx_revsk4_v1";
     /// v2: 64 slots (v1 had exactly as many as counters, so every new counter broke upgrades).
     pub const STATS: &str = "epx_stats_v2";
-    pub const CT4: &str = "epx_ct4_v1";
+    /// v2: the flow's state (`CtState`: last packet, TCP state, next sequence number) in both
+    /// entries of a flow.
+    pub const CT4: &str = "epx_ct4_v2";
     pub const IFADDR4: &str = "epx_ifaddr4_v1";
     pub const AFFINITY4: &str = "epx_aff4_v1";
     pub const MAGLEV4: &str = "epx_maglev4_v1";
@@ -24,14 +26,20 @@ pub mod map_name {
     pub const BACKENDS6: &str = "epx_be6_v1";
     pub const REV_NAT6: &str = "epx_revnat6_v1";
     pub const REV_SOCK6: &str = "epx_revsk6_v1";
-    pub const CT6: &str = "epx_ct6_v1";
+    pub const CT6: &str = "epx_ct6_v2";
     pub const IFADDR6: &str = "epx_ifaddr6_v1";
+    /// The agent's settings for the kernel programs (`DatapathConfig`, one entry).
+    pub const CONFIG: &str = "epx_cfg_v1";
 
     /// Every map the agent owns, in the order `dump` prints them.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS, CT4, IFADDR4, AFFINITY4, MAGLEV4, SERVICES6, BACKENDS6,
-        REV_NAT6, REV_SOCK6, CT6, IFADDR6,
+        REV_NAT6, REV_SOCK6, CT6, IFADDR6, CONFIG,
     ];
+
+    /// Pins of earlier layouts that no program of this build uses: the agent unpins them once
+    /// its programs are attached (they held preallocated memory and nothing else).
+    pub const OBSOLETE: [&str; 3] = ["epx_stats_v1", "epx_ct4_v1", "epx_ct6_v1"];
 }
 
 /// Default capacities; the agent can override each one at load time.
@@ -288,7 +296,8 @@ pub mod stat {
     pub const TC_SNAT: u32 = 17;
     /// TC ingress: a reply to an SNATed flow came back and was sent on to the client.
     pub const TC_SNAT_REPLY: u32 = 18;
-    /// TC ingress: no free SNAT source port after a few tries: dropped.
+    /// TC ingress: every SNAT source port of the range is held by a live flow to that backend
+    /// (the whole range was searched): dropped.
     pub const TC_SNAT_NO_PORT: u32 = 19;
     /// The route lookup for a packet the program must forward itself failed: dropped.
     pub const TC_FIB_FAIL: u32 = 20;
@@ -304,7 +313,15 @@ pub mod stat {
     /// TC ingress: the frontend is marked for Maglev but its table or the slot's backend was
     /// missing (agent mid-update): a random slot was used instead.
     pub const TC_MAGLEV_MISS: u32 = 25;
-    pub const COUNT: u32 = 26;
+    /// TC ingress: the port search met a conntrack entry past its timeout and deleted it (its
+    /// port is free again).
+    pub const TC_CT_EXPIRED_REMOVED: u32 = 26;
+    /// A TCP RST whose sequence number is outside the sender's window: passed on (the endpoint
+    /// judges it too), but the tracked flow is not closed by it.
+    pub const TC_RST_OUT_OF_WINDOW: u32 = 27;
+    /// TC ingress: a SYN reused the tuple of a closed flow and got a fresh backend pick.
+    pub const TC_CT_REOPENED: u32 = 28;
+    pub const COUNT: u32 = 29;
     /// Slots of the stats map: more than `COUNT`, so that a new counter does not change the
     /// pinned map's layout (an upgrade keeps the map and its counts).
     pub const SLOTS: u32 = 64;
@@ -337,6 +354,9 @@ pub mod stat {
         "affinity_record_fail",
         "tc_maglev_pick",
         "tc_maglev_miss",
+        "tc_ct_expired_removed",
+        "tc_rst_out_of_window",
+        "tc_ct_reopened",
     ];
 }
 
@@ -353,24 +373,111 @@ pub mod ct {
     /// the reply entry is then keyed backend -> node address:SNAT port.
     pub const NAT_SNAT: u8 = 1 << 1;
 
-    /// Source ports for SNAT: above Linux's default ephemeral range (32768-60999), so they do not
-    /// collide with the node's own connections.
-    pub const SNAT_PORT_MIN: u16 = 61_000;
+    /// The default SNAT source ports: 1024-65535 without the node's ephemeral range (the
+    /// agent skips the `net.ipv4.ip_local_port_range` it reads, by default 32768-60999), so that
+    /// no SNATed flow takes the tuple of one of the node's own connections. 36,280 ports per
+    /// (node address, backend, protocol) with the kernel's default range.
+    pub const SNAT_PORT_MIN: u16 = 1_024;
     pub const SNAT_PORT_MAX: u16 = 65_535;
+    /// What the kernel skips when the agent wrote no `DatapathConfig`: Linux's default
+    /// ephemeral range.
+    pub const SNAT_SKIP_MIN: u16 = 32_768;
+    pub const SNAT_SKIP_MAX: u16 = 60_999;
 
-    /// `CtEntry4::tcp_seen` bits: what the flow has shown so far (drives the timeout).
+    /// `CtState::tcp_seen` bits: what the flow has shown so far (drives the timeout).
     pub const TCP_SYN: u8 = 1 << 0;
     pub const TCP_FIN: u8 = 1 << 1;
     pub const TCP_RST: u8 = 1 << 2;
     /// A packet without SYN came after the SYN: the handshake went through.
     pub const TCP_ESTABLISHED: u8 = 1 << 3;
+    /// The backend sent the first FIN: it holds the tuple (backend, SNAT address and port) in
+    /// TIME_WAIT for 60 s after the close, so the SNAT port must not go to a new flow to that
+    /// backend before then.
+    pub const TCP_BACKEND_CLOSED_FIRST: u8 = 1 << 4;
 
-    /// Timeouts (nanoseconds since the last packet), as Cilium's defaults: a flow older than this
-    /// is new again and may get another backend.
-    pub const TIMEOUT_TCP_SYN_NS: u64 = 60 * 1_000_000_000;
+    /// Timeouts (nanoseconds since the last packet that refreshed the flow): a flow older than
+    /// this is gone; its tuple and SNAT port are free and a new packet is a new flow.
+    /// Half-open (only the client's SYNs refresh it, so a SYN flood ages out 30 s after it
+    /// stops): shorter than netfilter's 60 s SYN_RECV.
+    pub const TIMEOUT_TCP_SYN_NS: u64 = 30 * 1_000_000_000;
     pub const TIMEOUT_TCP_ESTABLISHED_NS: u64 = 21_600 * 1_000_000_000;
+    /// After a FIN or RST (a SYN reusing the tuple is a new flow at once; this keeps the
+    /// translation for retransmitted FINs and the last ACK).
     pub const TIMEOUT_TCP_CLOSING_NS: u64 = 10 * 1_000_000_000;
+    /// After the backend closed first ([`TCP_BACKEND_CLOSED_FIRST`], no RST): Linux's 60 s
+    /// TIME_WAIT and a margin.
+    pub const TIMEOUT_TCP_TIME_WAIT_NS: u64 = 65 * 1_000_000_000;
     pub const TIMEOUT_NON_TCP_NS: u64 = 60 * 1_000_000_000;
+    /// `CtState::last_seen_ns` is written when it is this much older than the packet (or the
+    /// state changed), not on every packet; timeouts are that much longer at most.
+    pub const REFRESH_NS: u64 = 1_000_000_000;
+    /// A RST counts (closes the tracked flow) only when its sequence number is within this many
+    /// bytes of the next one expected from its sender: a spoofed RST with a random sequence
+    /// number hits it once in 2,048 tries, and then the endpoint's own check (RFC 5961) still
+    /// stands. A RST outside it is passed on and the flow stays established.
+    pub const RST_WINDOW: u32 = 1 << 20;
+
+    /// How long an entry in `state` lives without traffic.
+    pub const fn timeout_ns(proto: u8, tcp_seen: u8) -> u64 {
+        if proto != super::IPPROTO_TCP {
+            TIMEOUT_NON_TCP_NS
+        } else if tcp_seen & TCP_RST != 0 {
+            TIMEOUT_TCP_CLOSING_NS
+        } else if tcp_seen & TCP_FIN != 0 {
+            if tcp_seen & TCP_BACKEND_CLOSED_FIRST != 0 { TIMEOUT_TCP_TIME_WAIT_NS } else { TIMEOUT_TCP_CLOSING_NS }
+        } else if tcp_seen & TCP_ESTABLISHED != 0 {
+            TIMEOUT_TCP_ESTABLISHED_NS
+        } else {
+            TIMEOUT_TCP_SYN_NS
+        }
+    }
+
+    /// Whether a flow in `state` is gone at `now_ns` (CLOCK_MONOTONIC, as `bpf_ktime_get_ns`).
+    /// The agent's garbage collection and the kernel's port search use the same rule.
+    pub const fn is_expired(state: &super::CtState, proto: u8, now_ns: u64) -> bool {
+        now_ns.wrapping_sub(state.last_seen_ns) > timeout_ns(proto, state.tcp_seen) + REFRESH_NS
+    }
+}
+
+/// The agent's settings for the kernel programs (`epx_cfg_v1`, an array of one). All zero (an
+/// agent that has not written it yet) means the ABI defaults. Reserved space keeps the layout
+/// (and so the pinned map) when a setting is added.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct DatapathConfig {
+    /// SNAT source ports: `snat_port_min..=snat_port_max` without `snat_skip_min..=snat_skip_max`
+    /// (an empty skip when `snat_skip_max < snat_skip_min`).
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    pub snat_skip_min: u16,
+    pub snat_skip_max: u16,
+    pub reserved: [u32; 14],
+}
+const _: () = assert!(size_of::<DatapathConfig>() == 64);
+
+impl DatapathConfig {
+    /// The SNAT port range with the ABI defaults for what is unset; `(min, max, skip_min,
+    /// skip_max)` with `skip` inside `min..=max` or empty (`skip_min > skip_max`).
+    pub const fn snat_range(&self) -> (u16, u16, u16, u16) {
+        if self.snat_port_max == 0 {
+            return (ct::SNAT_PORT_MIN, ct::SNAT_PORT_MAX, ct::SNAT_SKIP_MIN, ct::SNAT_SKIP_MAX);
+        }
+        (self.snat_port_min, self.snat_port_max, self.snat_skip_min, self.snat_skip_max)
+    }
+
+    /// How many ports the SNAT range holds.
+    pub const fn snat_port_count(&self) -> u32 {
+        let (min, max, skip_min, skip_max) = self.snat_range();
+        let all = max as u32 - min as u32 + 1;
+        if skip_max >= skip_min { all - (skip_max as u32 - skip_min as u32 + 1) } else { all }
+    }
+
+    /// The `index`-th port of the range (`index < snat_port_count()`), skipping the hole.
+    pub const fn snat_port(&self, index: u32) -> u16 {
+        let (min, _, skip_min, skip_max) = self.snat_range();
+        let port = min as u32 + index;
+        if skip_max >= skip_min && port >= skip_min as u32 { (port + (skip_max as u32 - skip_min as u32 + 1)) as u16 } else { port as u16 }
+    }
 }
 
 /// The IPv4 address of each interface the TC programs are attached to (`epx_ifaddr4_v1`, keyed
@@ -432,6 +539,23 @@ pub struct CtKey4 {
 }
 const _: () = assert!(size_of::<CtKey4>() == 16);
 
+/// What a tracked flow has shown, kept alike in both of its entries (each direction writes its
+/// own entry and copies state changes to the other, so either one can be judged alone).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct CtState {
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the last packet that refreshed the flow
+    /// (written at most every `ct::REFRESH_NS`).
+    pub last_seen_ns: u64,
+    /// TCP: the sequence number expected next from the sender of the packets this entry matches
+    /// (host byte order), for the RST check; 0 before its first packet.
+    pub seq_next: u32,
+    /// `ct::TCP_*` bits.
+    pub tcp_seen: u8,
+    pub pad: [u8; 3],
+}
+const _: () = assert!(size_of::<CtState>() == 16);
+
 /// Value of the conntrack LRU. Forward entries (`ct::DIR_FORWARD`) say which backend the flow
 /// was sent to; reply entries (`ct::DIR_REPLY`) say which frontend the reply must come from.
 /// Both carry the whole translation so `dump` can print either.
@@ -440,7 +564,6 @@ const _: () = assert!(size_of::<CtKey4>() == 16);
 pub struct CtEntry4 {
     pub backend_addr_be: u32,
     pub frontend_addr_be: u32,
-    /// The client (SNATed flows only: their replies are addressed to the node).
     pub client_addr_be: u32,
     /// The node address the flow was SNATed to (SNATed flows only).
     pub snat_addr_be: u32,
@@ -452,12 +575,10 @@ pub struct CtEntry4 {
     pub rev_nat_id: u16,
     /// `ct::NAT_*` bits.
     pub nat: u8,
-    /// `ct::TCP_*` bits.
-    pub tcp_seen: u8,
-    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the last packet.
-    pub last_seen_ns: u64,
+    pub pad: u8,
+    pub state: CtState,
 }
-const _: () = assert!(size_of::<CtEntry4>() == 40);
+const _: () = assert!(size_of::<CtEntry4>() == 48);
 
 /// Maglev consistent hashing for the packet path (`--lb-algorithm maglev`): the agent builds a
 /// table per external frontend from the frontend's backend set; the kernel indexes it with a hash
@@ -542,10 +663,10 @@ pub struct CtEntry6 {
     pub backend_id: u32,
     pub rev_nat_id: u16,
     pub nat: u8,
-    pub tcp_seen: u8,
-    pub last_seen_ns: u64,
+    pub pad: u8,
+    pub state: CtState,
 }
-const _: () = assert!(size_of::<CtEntry6>() == 88);
+const _: () = assert!(size_of::<CtEntry6>() == 96);
 
 #[cfg(feature = "user")]
 mod pod {
@@ -572,4 +693,6 @@ mod pod {
     unsafe impl aya::Pod for IfAddr6 {}
     unsafe impl aya::Pod for CtKey6 {}
     unsafe impl aya::Pod for CtEntry6 {}
+    unsafe impl aya::Pod for CtState {}
+    unsafe impl aya::Pod for DatapathConfig {}
 }
