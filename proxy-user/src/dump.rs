@@ -98,6 +98,9 @@ pub struct DumpedFlow {
     /// Past its timeout: the kernel treats it as gone, and the agent's garbage collection
     /// deletes it within `--conntrack-gc-interval`.
     pub expired: bool,
+    /// TCP: the client's next sequence number as conntrack last saw it (0 before it knows);
+    /// a RST from the client counts only near it.
+    pub client_seq_next: u32,
 }
 
 /// What `dump` shows of one conntrack entry of either family.
@@ -175,6 +178,7 @@ fn flows(entries: Vec<FlowView>) -> Vec<DumpedFlow> {
             },
             idle_seconds: now_ns.saturating_sub(view.state.last_seen_ns) / 1_000_000_000,
             expired: ct::is_expired(&view.state, view.proto, now_ns),
+            client_seq_next: view.state.seq_next,
         })
         .collect();
     flows.sort_by(|a, b| (&a.frontend, &a.client).cmp(&(&b.frontend, &b.client)));

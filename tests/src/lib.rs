@@ -12,6 +12,8 @@
 //! - [`forward`]: a TCP forwarder from the host's loopback into a namespace, which can black-hole.
 //! - [`packet`]: hand-built Ethernet/IPv4/TCP/UDP frames and a checksum-verifying reader.
 //! - [`bpf_test_run`]: the built TC programs run on such frames with `BPF_PROG_TEST_RUN`.
+//! - [`flood`]: hostile frames (spoofed SYNs, malformed headers, spoofed RSTs) sent into a
+//!   namespace's interface with an AF_PACKET socket.
 //!
 //! Everything is created with unique names and removed on drop, also when a test fails. Traffic
 //! never leaves the namespaces created here.
@@ -19,6 +21,7 @@
 pub mod agent;
 pub mod bpf_test_run;
 pub mod control_plane;
+pub mod flood;
 pub mod forward;
 pub mod probe;
 pub mod kube_scenario;

@@ -35,6 +35,47 @@ impl Summary {
     }
 }
 
+/// What `epx-probe load` saw: `clients` clients making `count` requests each. A request that
+/// failed is never retried; `failed_per_block[i]` counts the failures among the requests
+/// `i * block .. (i + 1) * block` of every client, so a failure rate that grows with the number
+/// of connections made so far shows.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Load {
+    pub total: u32,
+    pub ok: u32,
+    pub failed: u32,
+    pub errors: BTreeMap<String, u32>,
+    pub answers: BTreeMap<String, u32>,
+    pub block: u32,
+    pub failed_per_block: Vec<u32>,
+    pub elapsed_ms: u64,
+    /// Requests per second over the whole run.
+    pub per_second: f64,
+}
+
+impl Load {
+    pub fn answered_by(&self, name: &str) -> u32 {
+        self.answers.get(name).copied().unwrap_or(0)
+    }
+}
+
+/// Runs `epx-probe load` with `command` (placed where the caller needs it): `clients` clients,
+/// each making `count` `kind` (`tcp` or `udp`) requests to `to` at `rate` per second (0: as fast
+/// as it goes).
+pub fn load(mut command: std::process::Command, kind: &str, to: &str, clients: u32, count: u32, rate: u32) -> anyhow::Result<Load> {
+    let output = command
+        .args(["load", "--kind", kind, "--to", to])
+        .args(["--clients", &clients.to_string(), "--count", &count.to_string(), "--rate", &rate.to_string()])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running epx-probe load")?;
+    if !output.status.success() {
+        bail!("epx-probe load exited with {}", output.status);
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    serde_json::from_str(text.trim()).with_context(|| format!("parsing load output {text:?}"))
+}
+
 /// What `epx-probe steady` saw: short TCP connections, UDP requests, and long-lived streams
 /// (a stream counts as failed if it broke at any point).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

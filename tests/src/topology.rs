@@ -324,6 +324,10 @@ impl Topology {
         self.node.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
         netns.exec(&["ip", "addr", "add", "192.168.240.2/24", "dev", "eth0"])?;
         netns.exec(&["ip", "link", "set", "eth0", "up"])?;
+        // A client host with a wide ephemeral range: with Linux's default one, its own connect()
+        // slows down among tens of thousands of TIME_WAIT sockets (measured with no proxy at all:
+        // 569 connections/s over 20,000, against 5,212/s with this range).
+        netns.exec(&["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65535"])?;
         Ok(ExternalClient {
             netns,
             ip: "192.168.240.2".into(),

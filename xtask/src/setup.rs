@@ -12,7 +12,8 @@ pub const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
 
 /// Debian packages: the eBPF toolchain (rustc-web with its std sources, LLVM 22 for
 /// bpf-linker) and the tools the tests drive (iproute2 for namespaces, util-linux for nsenter,
-/// openssl for the test control plane's certificates and keys).
+/// openssl for the test control plane's certificates and keys, iptables for the tests that
+/// compare the packet path with the kernel's own NAT).
 const PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
@@ -24,6 +25,7 @@ const PACKAGES: &[&str] = &[
     "iproute2",
     "util-linux",
     "openssl",
+    "iptables",
 ];
 
 /// Debian packages for `cargo xtask vm-test`: QEMU (TCG) boots the second kernel, kmod's depmod

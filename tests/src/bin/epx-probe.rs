@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use e2e::probe::{Steady, Summary};
+use e2e::probe::{Load, Steady, Summary};
 
 #[derive(Parser)]
 struct Cli {
@@ -50,6 +50,26 @@ enum Cmd {
         streams: u32,
         #[arg(long)]
         duration_ms: u64,
+    },
+    /// CLIENTS clients (threads), each making COUNT requests of KIND (`tcp`: connect, read the
+    /// server's name, close; `udp`: a datagram from a new socket, so a new flow, and its answer)
+    /// to ADDR at RATE per second (0: as fast as it goes). Prints a `Load` summary.
+    Load {
+        #[arg(long)]
+        kind: String,
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        clients: u32,
+        #[arg(long)]
+        count: u32,
+        #[arg(long, default_value_t = 0)]
+        rate: u32,
+        #[arg(long, default_value_t = 1000)]
+        timeout_ms: u64,
+        /// Failures are counted per this many requests of each client.
+        #[arg(long, default_value_t = 500)]
+        block: u32,
     },
     /// One connected UDP socket to ADDR, a request every INTERVAL for DURATION, as a client
     /// that keeps its socket (DNS resolvers, QUIC, game clients). On an error it reconnects.
@@ -111,10 +131,15 @@ struct ClientArgs {
     count: u32,
     #[arg(long, default_value_t = 1000)]
     timeout_ms: u64,
-    /// UDP only: send request i from source port SOURCE_PORT + i (each a new flow with a known
-    /// tuple), instead of a port the kernel picks.
+    /// UDP: send request i from source port SOURCE_PORT + i (each a new flow with a known
+    /// tuple), instead of a port the kernel picks. TCP: every connection from SOURCE_PORT
+    /// (with `--reset`, so that the port can be used again at once).
     #[arg(long)]
     source_port: Option<u16>,
+    /// TCP: close each connection with a RST (SO_LINGER 0) instead of a FIN, leaving no
+    /// TIME_WAIT behind on the client.
+    #[arg(long)]
+    reset: bool,
 }
 
 fn error_name(error: &std::io::Error) -> String {
@@ -187,7 +212,27 @@ fn serve(name: String, tcp: Vec<u16>, udp: Vec<u16>, tcp_peer: Vec<u16>) -> ! {
 }
 
 fn tcp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
-    let stream = TcpStream::connect_timeout(&to, timeout)?;
+    tcp_once_from(None, false, to, timeout)
+}
+
+/// A connection to `to`, from `source_port` if given, closed with a RST if `reset`.
+fn tcp_connect(source_port: Option<u16>, reset: bool, to: SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(to), Type::STREAM, None)?;
+    if let Some(port) = source_port {
+        socket.set_reuse_address(true)?;
+        let any: SocketAddr = if to.is_ipv6() { (std::net::Ipv6Addr::UNSPECIFIED, port).into() } else { (std::net::Ipv4Addr::UNSPECIFIED, port).into() };
+        socket.bind(&any.into())?;
+    }
+    if reset {
+        socket.set_linger(Some(Duration::ZERO))?;
+    }
+    socket.connect_timeout(&to.into(), timeout)?;
+    Ok(socket.into())
+}
+
+fn tcp_once_from(source_port: Option<u16>, reset: bool, to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+    let stream = tcp_connect(source_port, reset, to, timeout)?;
     stream.set_read_timeout(Some(timeout))?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line)?;
@@ -290,6 +335,57 @@ fn stream(to: SocketAddr, until: Instant) -> std::io::Result<String> {
     Ok(name.trim().to_owned())
 }
 
+/// `epx-probe load`: see the subcommand's help.
+fn load(kind: &str, to: SocketAddr, clients: u32, count: u32, rate: u32, timeout: Duration, block: u32) -> Load {
+    let udp = match kind {
+        "tcp" => false,
+        "udp" => true,
+        other => panic!("unknown load kind {other:?}: use tcp or udp"),
+    };
+    let started = Instant::now();
+    let threads: Vec<_> = (0..clients)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let period = (rate > 0).then(|| Duration::from_secs_f64(1.0 / f64::from(rate)));
+                let mut next = Instant::now();
+                (0..count)
+                    .map(|_| {
+                        let result = if udp { udp_once(to, timeout) } else { tcp_once(to, timeout) };
+                        if let Some(period) = period {
+                            next += period;
+                            if let Some(wait) = next.checked_duration_since(Instant::now()) {
+                                std::thread::sleep(wait);
+                            }
+                        }
+                        result
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let block = block.max(1);
+    let mut summary = Load { total: clients * count, block, ..Default::default() };
+    summary.failed_per_block = vec![0; count.div_ceil(block) as usize];
+    for thread in threads {
+        for (i, result) in thread.join().expect("load client").into_iter().enumerate() {
+            match result {
+                Ok(name) => {
+                    summary.ok += 1;
+                    *summary.answers.entry(name).or_default() += 1;
+                }
+                Err(error) => {
+                    summary.failed += 1;
+                    summary.failed_per_block[i / block as usize] += 1;
+                    *summary.errors.entry(error_name(&error)).or_default() += 1;
+                }
+            }
+        }
+    }
+    summary.elapsed_ms = started.elapsed().as_millis() as u64;
+    summary.per_second = f64::from(summary.total) / started.elapsed().as_secs_f64().max(1e-9);
+    summary
+}
+
 fn steady(tcp: SocketAddr, udp: SocketAddr, rate: u32, streams: u32, duration: Duration) -> Steady {
     let until = Instant::now() + duration;
     let stream_threads: Vec<_> = (0..streams).map(|_| std::thread::spawn(move || stream(tcp, until))).collect();
@@ -310,15 +406,20 @@ fn main() {
         println!("{}", serde_json::to_string(&result).expect("serialisable"));
         return;
     }
+    if let Cmd::Load { kind, to, clients, count, rate, timeout_ms, block } = cli.command {
+        let result = load(&kind, to, clients, count, rate, Duration::from_millis(timeout_ms), block);
+        println!("{}", serde_json::to_string(&result).expect("serialisable"));
+        return;
+    }
     if let Cmd::UdpConnected { to, interval_ms, duration_ms } = cli.command {
         let result = udp_connected(to, Duration::from_millis(interval_ms), Duration::from_millis(duration_ms));
         println!("{}", serde_json::to_string(&result).expect("serialisable"));
         return;
     }
     let summary = match cli.command {
-        Cmd::Steady { .. } | Cmd::UdpConnected { .. } => unreachable!("handled above"),
+        Cmd::Steady { .. } | Cmd::UdpConnected { .. } | Cmd::Load { .. } => unreachable!("handled above"),
         Cmd::Serve { name, tcp, udp, tcp_peer } => serve(name, tcp, udp, tcp_peer),
-        Cmd::Tcp(a) => run_requests(a.count, || tcp_once(a.to, Duration::from_millis(a.timeout_ms))),
+        Cmd::Tcp(a) => run_requests(a.count, || tcp_once_from(a.source_port, a.reset, a.to, Duration::from_millis(a.timeout_ms))),
         Cmd::Udp(a) => {
             let mut next_port = a.source_port;
             run_requests(a.count, || {
