@@ -22,7 +22,7 @@ use k8s_openapi::api::core::v1::{Node, Service, ServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde::{Deserialize, Serialize};
 
-use crate::ipparse::{parse_ip_sloppy, Cidr};
+use crate::ipparse::{parse_ip_sloppy, special_address, Cidr};
 use endpoints::{categorize, merge_slices, Categorized, NodeView, ServiceEndpoints};
 
 /// Label tying an EndpointSlice to its Service.
@@ -429,8 +429,9 @@ impl ThisNode<'_> {
 }
 
 /// kube-proxy `NodePortAddresses.GetNodeIPs` (pkg/proxy/util/nodeport_addresses.go): the
-/// interface addresses inside the configured CIDRs; `primary` is turned into the node IPs' /32
-/// and /128 first (cmd/kube-proxy/app/server.go).
+/// interface addresses inside the configured CIDRs, per family — a family without a CIDR in the
+/// list keeps all its addresses (`NewNodePortAddresses` matches all when it has none of its
+/// family); `primary` is turned into the node IPs' /32 and /128 first (cmd/kube-proxy/app/server.go).
 fn nodeport_addresses(config: &NodeConfig, node: Option<&Node>) -> Vec<IpAddr> {
     let on_interfaces = |wanted: &dyn Fn(IpAddr) -> bool| -> Vec<IpAddr> {
         let mut addrs: Vec<IpAddr> = config.interface_addresses.iter().copied().filter(|a| wanted(*a)).collect();
@@ -440,7 +441,10 @@ fn nodeport_addresses(config: &NodeConfig, node: Option<&Node>) -> Vec<IpAddr> {
     };
     match &config.nodeport_addresses {
         NodePortAddresses::All => on_interfaces(&|_| true),
-        NodePortAddresses::Cidrs(cidrs) => on_interfaces(&|a| cidrs.iter().any(|c| c.contains(a))),
+        NodePortAddresses::Cidrs(cidrs) => on_interfaces(&|a| {
+            let mut of_family = cidrs.iter().filter(|c| c.is_ipv6() == a.is_ipv6()).peekable();
+            of_family.peek().is_none() || of_family.any(|c| c.contains(a))
+        }),
         NodePortAddresses::Primary => {
             let primary = primary_node_ips(node);
             on_interfaces(&|a| primary.contains(&a))
@@ -480,6 +484,11 @@ fn service_candidates(
     let mut families = Vec::new();
     for text in cluster_ip_texts(service) {
         match parse_ip_sloppy(text) {
+            Some(ip) if special_address(ip).is_some() => {
+                let class = special_address(ip).unwrap_or_default();
+                problems.push(format!("clusterIP {ip} is a {class} address, which the API server never allocates"));
+                return;
+            }
             Some(ip) if node.has_family(Family::of(ip)) => families.push((Family::of(ip), ip)),
             Some(ip) => problems.push(format!(
                 "clusterIP {ip} skipped: this node has no address of family {}",
@@ -597,7 +606,9 @@ fn external_addresses<'a>(
             continue;
         };
         let family = Family::of(addr);
-        if node.addresses.contains(&addr) {
+        if let Some(class) = special_address(addr) {
+            problems.push(format!("{} {addr} is a {class} address, which the API server's validation refuses", kind.name()));
+        } else if node.addresses.contains(&addr) {
             problems.push(format!(
                 "{} {addr} would hijack an address of this node; node addresses are never given to a Service",
                 kind.name()

@@ -15,6 +15,29 @@ pub fn parse_ip_sloppy(text: &str) -> Option<IpAddr> {
     parse_ipv4_leading_zeros(text).map(IpAddr::V4)
 }
 
+/// Why `addr` can never be a Service or endpoint address, as the API server's validation says
+/// (`ValidateNonSpecialIP`, `validateEndpointIP`): traffic to it never leaves the host it is
+/// sent from, or is not one host's. None for an ordinary unicast address. An IPv4-mapped IPv6
+/// address is judged as its IPv4 address.
+pub fn special_address(addr: IpAddr) -> Option<&'static str> {
+    let addr = addr.to_canonical();
+    if addr.is_unspecified() {
+        return Some("unspecified");
+    }
+    if addr.is_loopback() {
+        return Some("loopback");
+    }
+    if addr.is_multicast() {
+        return Some("multicast");
+    }
+    match addr {
+        IpAddr::V4(v4) if v4.is_link_local() => Some("link-local"),
+        IpAddr::V4(v4) if v4.is_broadcast() => Some("broadcast"),
+        IpAddr::V6(v6) if v6.is_unicast_link_local() => Some("link-local"),
+        _ => None,
+    }
+}
+
 fn parse_ipv4_leading_zeros(text: &str) -> Option<Ipv4Addr> {
     let mut octets = [0u8; 4];
     let mut parts = text.split('.');
@@ -48,6 +71,10 @@ impl Cidr {
 
     pub fn contains(&self, addr: IpAddr) -> bool {
         mask(addr, self.prefix) == Some(self.network)
+    }
+
+    pub fn is_ipv6(&self) -> bool {
+        self.network.is_ipv6()
     }
 }
 

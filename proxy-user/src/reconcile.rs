@@ -80,8 +80,11 @@ struct AppliedFrontend {
 pub struct Reconciler<M> {
     maps: M,
     frontends: BTreeMap<Frontend, AppliedFrontend>,
-    /// Backend map contents, both directions.
-    backend_ids: BTreeMap<BackendAddr, BackendId>,
+    /// Backend map contents, both directions. An entry is keyed by its address and whether it is
+    /// local: the same address listed by two Services, local in one and remote in the other
+    /// (another namespace's EndpointSlice can claim any address with this node's `nodeName`),
+    /// gets an entry for each, so one Service's objects never decide another's SNAT.
+    backend_ids: BTreeMap<(BackendAddr, bool), BackendId>,
     backends_by_id: BTreeMap<BackendId, BackendValue>,
     rev_nats: BTreeMap<RevNatId, RevNatValue>,
     /// Service-map keys this build cannot decode (another layout or garbage): removed on the
@@ -227,7 +230,8 @@ impl<M: LbMaps> Reconciler<M> {
         let mut backend_ids = BTreeMap::new();
         for (id, value) in &backends_by_id {
             if let Some(addr) = decode_backend(value) {
-                backend_ids.entry(addr).or_insert(*id);
+                let local = backend_flags_of(value) & backend_flags::LOCAL != 0;
+                backend_ids.entry((addr, local)).or_insert(*id);
             }
         }
         let rev_nats: BTreeMap<_, _> = maps.rev_nats()?.into_iter().collect();
@@ -298,14 +302,8 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
 
-        // A backend's LOCAL flag is a property of its address, so it is decided once for all the
-        // frontends that share the backend entry.
-        let mut local: BTreeMap<BackendAddr, bool> = BTreeMap::new();
-        for backend in desired.frontends.values().flat_map(|spec| &spec.backends) {
-            *local.entry(backend.addr).or_default() |= backend.local;
-        }
         for (frontend, spec) in &desired.frontends {
-            if let Err(error) = self.upsert_frontend(frontend, spec, &local, &mut report.writes) {
+            if let Err(error) = self.upsert_frontend(frontend, spec, &mut report.writes) {
                 report.failures.push(Failure { what: format!("Service {} ({frontend})", spec.service), error });
             }
         }
@@ -333,7 +331,6 @@ impl<M: LbMaps> Reconciler<M> {
         &mut self,
         frontend: &Frontend,
         spec: &FrontendSpec,
-        local: &BTreeMap<BackendAddr, bool>,
         writes: &mut usize,
     ) -> Result<(), ReconcileError> {
         let (key0, rev_nat) = (service_key(frontend, 0), rev_nat_value(frontend));
@@ -347,8 +344,7 @@ impl<M: LbMaps> Reconciler<M> {
             .ok_or(ReconcileError::TooManyBackends { count: backends.len() })?;
         let mut ids = Vec::with_capacity(backends.len());
         for backend in backends {
-            let is_local = local.get(&backend.addr).copied().unwrap_or(backend.local);
-            ids.push(self.ensure_backend(&backend.addr, is_local, writes)?);
+            ids.push(self.ensure_backend(&backend.addr, backend.local, writes)?);
         }
 
         let own = self.frontends.get(frontend).map(|f| f.rev_nat_id).filter(|id| *id != 0);
@@ -434,9 +430,12 @@ impl<M: LbMaps> Reconciler<M> {
             match self.maps.delete_backend(id, ipv6) {
                 Ok(()) => {
                     report.writes += 1;
-                    if let Some(addr) = self.backends_by_id.remove(&id).as_ref().and_then(decode_backend) {
-                        if self.backend_ids.get(&addr) == Some(&id) {
-                            self.backend_ids.remove(&addr);
+                    if let Some(value) = self.backends_by_id.remove(&id) {
+                        if let Some(addr) = decode_backend(&value) {
+                            let key = (addr, backend_flags_of(&value) & backend_flags::LOCAL != 0);
+                            if self.backend_ids.get(&key) == Some(&id) {
+                                self.backend_ids.remove(&key);
+                            }
                         }
                     }
                 }
@@ -478,11 +477,11 @@ impl<M: LbMaps> Reconciler<M> {
         }
     }
 
-    /// The backend's id, writing its entry if it is new or its flags changed (in place: the id
-    /// and every slot naming it stay).
+    /// The id of the backend entry for `backend` with this locality, writing the entry if it is
+    /// new (or, after an adoption, differs).
     fn ensure_backend(&mut self, backend: &BackendAddr, local: bool, writes: &mut usize) -> Result<BackendId, ReconcileError> {
         let value = backend_value(backend, local);
-        if let Some(id) = self.backend_ids.get(backend).copied() {
+        if let Some(id) = self.backend_ids.get(&(*backend, local)).copied() {
             if self.backends_by_id.get(&id) != Some(&value) {
                 self.maps.put_backend(id, &value)?;
                 self.backends_by_id.insert(id, value);
@@ -492,7 +491,7 @@ impl<M: LbMaps> Reconciler<M> {
         }
         let id = self.allocate_backend_id()?;
         self.maps.put_backend(id, &value)?;
-        self.backend_ids.insert(*backend, id);
+        self.backend_ids.insert((*backend, local), id);
         self.backends_by_id.insert(id, value);
         *writes += 1;
         Ok(id)

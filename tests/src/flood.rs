@@ -104,6 +104,11 @@ pub fn malformed(link: Link, dst: SocketAddrV4, count: usize, rng: &mut Rng) -> 
         .collect()
 }
 
+/// A SYN from `src` to `dst`.
+pub fn syn(link: Link, src: SocketAddrV4, dst: SocketAddrV4, seq: u32) -> Vec<u8> {
+    tcp_frame(link, src, dst, |b| b.syn(), seq)
+}
+
 /// A RST+ACK from `src` to `dst` with the given sequence and acknowledgement numbers.
 pub fn rst_ack(link: Link, src: SocketAddrV4, dst: SocketAddrV4, seq: u32, ack: u32) -> Vec<u8> {
     tcp_frame(link, src, dst, |b| b.rst().ack(ack), seq)

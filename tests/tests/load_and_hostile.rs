@@ -31,6 +31,11 @@ struct Far {
 }
 
 fn far(extra_args: &[&str]) -> Far {
+    far_with("", extra_args)
+}
+
+/// [`far`] with more objects in the manifest (`---`-separated YAML, may be empty).
+fn far_with(more_objects: &str, extra_args: &[&str]) -> Far {
     let mut topo = Topology::new().expect("topology");
     let client = topo.add_external_client("ext").expect("external client");
     // The other node routes back only to this node's address: answers reach the client only
@@ -40,7 +45,7 @@ fn far(extra_args: &[&str]) -> Far {
     let dir = AgentDir::new(&topo.id).expect("agent dir");
     let service = node_port_service("far", "10.96.0.30", TCP_NODE_PORT);
     let far_slice = slice("far", &[&endpoint]).replace("nodeName: node-1", "nodeName: node-2");
-    dir.write_manifest(&format!("{service}---\n{far_slice}")).expect("manifest");
+    dir.write_manifest(&format!("{service}---\n{far_slice}{more_objects}")).expect("manifest");
     let interfaces = format!("--interfaces={},n2", client.node_interface);
     let args: Vec<&str> = [interfaces.as_str()].into_iter().chain(extra_args.iter().copied()).collect();
     let agent = Agent::start_file_in_node(&topo, &dir, &args).expect("agent");
@@ -277,4 +282,71 @@ fn a_syn_flood_with_malformed_frames_costs_no_legitimate_connection_and_ages_out
     wait_for("the spoofed half-open flows leave the table", Duration::from_secs(75), || !env.flows().iter().any(spoofed));
     let after = env.load("tcp", 1, 500, 0);
     assert_eq!((after.ok, after.failed), (500, 0), "after the flood: {after:?}");
+}
+
+#[test]
+fn a_slice_of_another_namespace_claiming_the_remote_endpoint_is_local_does_not_turn_off_snat() {
+    // Namespace `other` lists the pod on the other node with this node's name. Were locality a
+    // property of the address, `far`'s flows would lose their SNAT and the other node could not
+    // answer them.
+    let decoy = "---
+apiVersion: v1
+kind: Service
+metadata: {name: decoy, namespace: other}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.99
+  ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30190}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: decoy-a, namespace: other, labels: {kubernetes.io/service-name: decoy}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.2.10], nodeName: node-1}]
+ports: [{name: http, port: 8080, protocol: TCP}]
+";
+    let env = far_with(decoy, &[]);
+    env.agent.wait_for_external_frontend(&env.client.node_ip, 30190);
+    let load = env.load("tcp", 1, 50, 0);
+    assert_eq!((load.ok, load.answered_by("far")), (50, 50), "far's NodePort must still be SNATed: {load:?}");
+    e2e::agent::assert_snated(&env.dump(), 100);
+}
+
+#[test]
+fn an_external_ip_of_127_0_0_1_is_refused_by_name_and_frames_to_it_are_not_translated() {
+    let loopback = "---
+apiVersion: v1
+kind: Service
+metadata: {name: sneaky, namespace: other}
+spec:
+  clusterIP: 10.96.0.98
+  externalIPs: [127.0.0.1]
+  ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: sneaky-a, namespace: other, labels: {kubernetes.io/service-name: sneaky}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.2.10], nodeName: node-2}]
+ports: [{name: http, port: 8080, protocol: TCP}]
+";
+    let env = far_with(loopback, &[]);
+    env.agent.wait_for_log("rejected Service other/sneaky: externalIP 127.0.0.1 is a loopback address");
+    assert!(env.agent.entries("127.0.0.1", 80, "TCP").is_empty(), "no frontend on the loopback address");
+    assert_eq!(env.agent.entries("10.96.0.98", 80, "TCP").len(), 2, "the rest of the Service is programmed");
+    // SYNs addressed to 127.0.0.1:80 arriving from outside: nothing translates them.
+    let link = env.link();
+    let sender = RawSender::open(&env.client.netns.path(), "eth0").expect("raw socket");
+    let client = SocketAddrV4::new(env.client.ip.parse().expect("client address"), 41000);
+    for seq in 0..10 {
+        sender.send(&flood::syn(link, client, SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 80), seq)).expect("send");
+    }
+    // A real connection after them over the same link: once it is tracked, the frames before it
+    // were seen too. None of them may have made a flow.
+    let load = env.load("tcp", 1, 1, 0);
+    assert_eq!(load.ok, 1, "{load:?}");
+    let dump = env.dump();
+    let frontends: Vec<&str> = dump["conntrack"].as_array().expect("conntrack").iter().filter_map(|f| f["frontend"].as_str()).collect();
+    assert!(frontends.contains(&format!("{}:{TCP_NODE_PORT}", env.client.node_ip).as_str()), "{frontends:?}");
+    assert!(!frontends.contains(&"127.0.0.1:80"), "a frame to 127.0.0.1 was translated: {frontends:?}");
 }

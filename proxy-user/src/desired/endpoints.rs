@@ -11,7 +11,7 @@ use std::net::IpAddr;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::{object_name, Backend, BackendAddr, Family, PortKey, Proto, Rejection, LABEL_SERVICE_NAME};
-use crate::ipparse::parse_ip_sloppy;
+use crate::ipparse::{parse_ip_sloppy, special_address};
 
 /// One endpoint of one Service port after merging all slices.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,6 +74,14 @@ pub(super) fn merge_slices(slices: &[EndpointSlice], rejections: &mut Vec<Reject
                 // kube-proxy uses the first address of an endpoint.
                 let Some(text) = endpoint.addresses.first() else { continue };
                 let addr = match parse_ip_sloppy(text) {
+                    Some(addr) if special_address(addr).is_some() => {
+                        let class = special_address(addr).unwrap_or_default();
+                        rejections.push(Rejection {
+                            object: object.clone(),
+                            reason: format!("endpoint address {addr} is a {class} address, which the API server's validation refuses"),
+                        });
+                        continue;
+                    }
                     Some(addr) if Family::of(addr) == family => addr,
                     _ => {
                         rejections.push(Rejection {

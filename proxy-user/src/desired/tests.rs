@@ -321,6 +321,28 @@ fn cases() -> Vec<Case> {
         .nodeport_addresses("192.168.0.0/16, 172.16.0.0/12")
         .expect("192.168.0.10:30080/TCP", Both, "NodePort -> 10.244.1.2:8080 local, 10.244.2.3:8080")
         .absent("10.244.1.1:30080/TCP"),
+        case("--nodeport-addresses with IPv4 CIDRs only keeps every IPv6 address's NodePorts (per family, as kube-proxy)", [
+            service("web", "{type: NodePort, clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, \"fd00::10\"], ipFamilies: [IPv4, IPv6], ports: [{name: http, port: 80, nodePort: 30080, protocol: TCP}]}"),
+            web_slice(),
+            slice("web-v6", "web", "IPv6", "[{addresses: [\"fd00:10:244:1::2\"], nodeName: node-1}]"),
+        ])
+        .node_addresses(&["10.244.1.1", "192.168.0.10", "fd00:1::1", "fd00:2::1"])
+        .nodeport_addresses("192.168.0.0/16")
+        .expect("192.168.0.10:30080/TCP", Both, "NodePort -> 10.244.1.2:8080 local, 10.244.2.3:8080")
+        .expect("[fd00:1::1]:30080/TCP", Both, "NodePort -> [fd00:10:244:1::2]:8080 local")
+        .expect("[fd00:2::1]:30080/TCP", Both, "NodePort -> [fd00:10:244:1::2]:8080 local")
+        .absent("10.244.1.1:30080/TCP"),
+        case("--nodeport-addresses with a CIDR of each family filters each family", [
+            service("web", "{type: NodePort, clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, \"fd00::10\"], ipFamilies: [IPv4, IPv6], ports: [{name: http, port: 80, nodePort: 30080, protocol: TCP}]}"),
+            web_slice(),
+            slice("web-v6", "web", "IPv6", "[{addresses: [\"fd00:10:244:1::2\"], nodeName: node-1}]"),
+        ])
+        .node_addresses(&["10.244.1.1", "192.168.0.10", "fd00:1::1", "fd00:2::1"])
+        .nodeport_addresses("192.168.0.0/16,fd00:2::/64")
+        .expect("192.168.0.10:30080/TCP", Both, "NodePort -> 10.244.1.2:8080 local, 10.244.2.3:8080")
+        .expect("[fd00:2::1]:30080/TCP", Both, "NodePort -> [fd00:10:244:1::2]:8080 local")
+        .absent("[fd00:1::1]:30080/TCP")
+        .absent("10.244.1.1:30080/TCP"),
         case("--nodeport-addresses primary: the Node's first InternalIP, if it is on an interface", [
             node("{}", "[{type: Hostname, address: node-1}, {type: InternalIP, address: 192.168.0.10}, {type: InternalIP, address: 10.244.1.1}]"),
             service("web", "{type: NodePort, clusterIP: 10.96.0.10, ports: [{name: http, port: 80, nodePort: 30080, protocol: TCP}]}"),
@@ -480,6 +502,50 @@ fn cases() -> Vec<Case> {
         .expect("10.96.0.10:22/TCP", Both, "ClusterIP -> none")
         .rejects("Service demo/hijack: externalIP 10.244.1.1 would hijack an address of this node")
         .rejects("Service demo/hijack: loadBalancer IP 192.168.0.10 would hijack an address of this node"),
+        case("loopback, link-local, unspecified, multicast and broadcast addresses are refused from every field", [
+            service_with_status("special", "{type: LoadBalancer, clusterIP: 10.96.0.10, allocateLoadBalancerNodePorts: false, externalIPs: [127.0.0.1, 169.254.169.254, 0.0.0.0, 224.0.0.251, 255.255.255.255, \"::ffff:127.0.0.1\", 10.96.200.9], ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]}",
+                "{loadBalancer: {ingress: [{ip: 127.0.0.2}, {ip: 10.96.200.8}]}}"),
+            slice("special-a", "special", "IPv4", "[{addresses: [127.0.0.1]}, {addresses: [169.254.0.5]}, {addresses: [0.0.0.0]}, {addresses: [239.1.1.1]}, {addresses: [10.244.1.2]}]"),
+            service("loop", "{clusterIP: 127.0.0.53, ports: [{port: 53, protocol: UDP}]}"),
+        ])
+        .expect("10.96.0.10:80/TCP", Both, "ClusterIP -> 10.244.1.2:8080")
+        .expect("10.96.200.9:80/TCP", Both, "ExternalIP -> 10.244.1.2:8080")
+        .expect("10.96.200.8:80/TCP", Both, "LoadBalancer -> 10.244.1.2:8080")
+        .absent("127.0.0.1:80/TCP")
+        .absent("127.0.0.2:80/TCP")
+        .absent("127.0.0.53:53/UDP")
+        .rejects("Service demo/special: externalIP 127.0.0.1 is a loopback address")
+        .rejects("Service demo/special: externalIP 169.254.169.254 is a link-local address")
+        .rejects("Service demo/special: externalIP 0.0.0.0 is a unspecified address")
+        .rejects("Service demo/special: externalIP 224.0.0.251 is a multicast address")
+        .rejects("Service demo/special: externalIP 255.255.255.255 is a broadcast address")
+        .rejects("Service demo/special: externalIP ::ffff:127.0.0.1 is a loopback address")
+        .rejects("Service demo/special: loadBalancer IP 127.0.0.2 is a loopback address")
+        .rejects("EndpointSlice demo/special-a: endpoint address 127.0.0.1 is a loopback address")
+        .rejects("EndpointSlice demo/special-a: endpoint address 169.254.0.5 is a link-local address")
+        .rejects("EndpointSlice demo/special-a: endpoint address 0.0.0.0 is a unspecified address")
+        .rejects("EndpointSlice demo/special-a: endpoint address 239.1.1.1 is a multicast address")
+        .rejects("Service demo/loop: clusterIP 127.0.0.53 is a loopback address"),
+        case("IPv6 link-local and loopback endpoints and external IPs are refused too", [
+            service("web", "{clusterIP: \"fd00::10\", ipFamilies: [IPv6], externalIPs: [\"::1\", \"fe80::1\", \"ff02::1\", \"fd00::99\"], ports: [{name: http, port: 80, protocol: TCP}]}"),
+            slice("web-v6", "web", "IPv6", "[{addresses: [\"fe80::2\"]}, {addresses: [\"::1\"]}, {addresses: [\"fd00:10:244:1::2\"]}]"),
+        ])
+        .node_addresses(&["10.244.1.1", "fd00:1::1"])
+        .expect("[fd00::10]:80/TCP", Both, "ClusterIP -> [fd00:10:244:1::2]:8080")
+        .expect("[fd00::99]:80/TCP", Both, "ExternalIP -> [fd00:10:244:1::2]:8080")
+        .rejects("Service demo/web: externalIP ::1 is a loopback address")
+        .rejects("Service demo/web: externalIP fe80::1 is a link-local address")
+        .rejects("Service demo/web: externalIP ff02::1 is a multicast address")
+        .rejects("EndpointSlice demo/web-v6: endpoint address fe80::2 is a link-local address")
+        .rejects("EndpointSlice demo/web-v6: endpoint address ::1 is a loopback address"),
+        case("a slice in another namespace naming a remote pod's address with this node's name changes nothing of another Service", [
+            service("web", "{clusterIP: 10.96.0.10, ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]}"),
+            slice("web-a", "web", "IPv4", "[{addresses: [10.244.2.3], nodeName: node-2}]"),
+            "---\napiVersion: v1\nkind: Service\nmetadata: {name: decoy, namespace: other}\nspec: {clusterIP: 10.96.0.99, ports: [{name: http, port: 80, protocol: TCP}]}\n".to_owned(),
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: decoy-a, namespace: other, labels: {kubernetes.io/service-name: decoy}}\naddressType: IPv4\nendpoints: [{addresses: [10.244.2.3], nodeName: node-1}]\nports: [{name: http, port: 8080, protocol: TCP}]\n".to_owned(),
+        ])
+        .expect("10.96.0.10:80/TCP", Both, "ClusterIP -> 10.244.2.3:8080")
+        .expect("10.96.0.99:80/TCP", Both, "ClusterIP -> 10.244.2.3:8080 local"),
         case("slices without the service-name label, for a missing Service, with a bad address type or addresses", [
             web(""),
             slice("orphan", "", "IPv4", "[{addresses: [10.244.1.2]}]"),

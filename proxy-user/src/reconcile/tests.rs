@@ -248,7 +248,7 @@ fn flags_and_the_affinity_timeout_are_written_to_slot_0_and_a_flag_change_is_one
 }
 
 #[test]
-fn a_backend_that_becomes_local_is_updated_in_place_keeping_its_id() {
+fn a_backend_local_for_one_service_and_remote_for_another_gets_an_entry_for_each() {
     let a = frontend(10, 80, Proto::Tcp);
     let b = frontend(11, 80, Proto::Tcp);
     let be = backend(1, 8080, Proto::Tcp);
@@ -258,12 +258,28 @@ fn a_backend_that_becomes_local_is_updated_in_place_keeping_its_id() {
     let ids: Vec<BackendId> = reconciler.maps().backends.keys().copied().collect();
     assert_eq!(ids.len(), 1, "one backend entry shared by both frontends");
 
-    // One frontend's copy says local: the shared entry is local (decided once, not flip-flopped).
+    // Another Service's slice says the same address is local (issue 12: any namespace can write
+    // such a slice): `a` gets a local entry of its own, `b` keeps its remote one untouched.
     state.frontends.get_mut(&a).unwrap().backends[0].local = true;
     let report = reconciler.reconcile(&state);
-    assert_eq!(report.writes, 1, "{report:?}");
-    assert_eq!(backend_flags_of(&reconciler.maps().backends[&ids[0]]), backend_flags::LOCAL);
+    assert!(report.failures.is_empty(), "{report:?}");
+    assert_eq!(reconciler.maps().backends.len(), 2, "{:?}", reconciler.maps().backends);
+    let flags_of = |f: &Frontend| {
+        let id = reconciler.maps().services[&service_key(f, 1)].backend_id;
+        backend_flags_of(&reconciler.maps().backends[&id])
+    };
+    assert_eq!((flags_of(&a), flags_of(&b)), (backend_flags::LOCAL, 0));
+    assert_eq!(reconciler.maps().services[&service_key(&b, 1)].backend_id, ids[0], "b's entry and slot are untouched");
     assert_eq!(reconciler.reconcile(&state).writes, 0, "stable");
+    // And after a restart, each is adopted by its own key.
+    let mut restarted = Reconciler::adopt(reconciler.maps().clone()).unwrap();
+    assert_eq!(restarted.reconcile(&state).writes, 0, "a restart rewrites nothing");
+
+    // When no frontend uses the remote copy any more, it is collected.
+    state.frontends.get_mut(&b).unwrap().backends[0].local = true;
+    restarted.reconcile(&state);
+    assert_eq!(restarted.maps().backends.len(), 1);
+    assert!(restarted.maps().violations.is_empty(), "{:?}", restarted.maps().violations);
 }
 
 #[test]
