@@ -7,7 +7,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_abi::{
-    capacity, stat, DatapathConfig, AffinityKey4, AffinityValue4, Backend4, BackendId, Backend6, CtEntry4, CtEntry6, CtKey4, CtKey6, IfAddr6, IfAddr4, MaglevTable4, RevNat4, RevNat6, RevSock6, RevSockKey6, ServiceKey6, RevNatId, RevSock4,
+    capacity, stat, DatapathConfig, FragKey4, FragKey6, FragValue4, FragValue6, AffinityKey4, AffinityValue4, Backend4, BackendId, Backend6, CtEntry4, CtEntry6, CtKey4, CtKey6, IfAddr6, IfAddr4, MaglevTable4, RevNat4, RevNat6, RevSock6, RevSockKey6, ServiceKey6, RevNatId, RevSock4,
     RevSockKey4, ServiceKey4, ServiceValue4,
 };
 
@@ -67,6 +67,13 @@ pub static CT6: LruHashMap<CtKey6, CtEntry6> = LruHashMap::pinned(capacity::CT6,
 /// ifindex -> that interface's (first global) IPv6 address, written by the agent when it attaches.
 #[map(name = "epx_ifaddr6_v1")]
 pub static IFADDR6: HashMap<u32, IfAddr6> = HashMap::pinned(capacity::IFADDR6, 0);
+
+/// First fragment's translation -> the later fragments of the same datagram (`frag`).
+#[map(name = "epx_frag4_v1")]
+pub static FRAG4: LruHashMap<FragKey4, FragValue4> = LruHashMap::pinned(capacity::FRAG4, 0);
+
+#[map(name = "epx_frag6_v1")]
+pub static FRAG6: LruHashMap<FragKey6, FragValue6> = LruHashMap::pinned(capacity::FRAG6, 0);
 
 /// The agent's settings (`DatapathConfig`); all zero means the ABI defaults.
 #[map(name = "epx_cfg_v1")]

@@ -18,8 +18,6 @@ const IPV4_MIN_HLEN: usize = 20;
 pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IP_SADDR_OFF: usize = ETH_HLEN + 12;
 pub const IP_DADDR_OFF: usize = ETH_HLEN + 16;
-/// More-fragments flag and fragment offset of `frag_off`.
-const IP_MF_OFFSET_MASK: u16 = 0x3fff;
 const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
 
@@ -46,6 +44,10 @@ pub struct Flow {
     /// TCP sequence number and the one after this segment (host byte order; 0 for UDP).
     pub seq: u32,
     pub seq_end: u32,
+    /// The IP identification, and whether more fragments follow (this is a first fragment):
+    /// its translation is then recorded for the later ones (`frag`).
+    pub ip_id_be: u16,
+    pub more_fragments: bool,
 }
 
 impl Flow {
@@ -69,13 +71,26 @@ pub enum Parsed {
     NotOurs,
     /// An IPv4 header that is truncated or lies about its lengths.
     BadHeader,
-    /// An IPv4 fragment: only the first one has ports, so none can be attributed to a flow.
-    Fragment,
+    /// A later IPv4 fragment (offset > 0): no ports; it follows its first fragment (`frag`).
+    Fragment(LaterFragment),
     Flow(Flow),
     /// An ICMP error (destination unreachable, e.g. "fragmentation needed", time exceeded,
     /// parameter problem) quoting a TCP/UDP packet.
     IcmpError(IcmpError),
 }
+
+/// A fragment without the L4 header: what identifies its datagram.
+#[derive(Clone, Copy)]
+pub struct LaterFragment {
+    pub saddr_be: u32,
+    pub daddr_be: u32,
+    pub id_be: u16,
+    pub proto: u8,
+}
+
+/// `frag_off`'s More Fragments bit, and its offset bits.
+const IP_MF: u16 = 0x2000;
+const IP_OFFSET_MASK: u16 = 0x1fff;
 
 const IPPROTO_ICMP: u8 = 1;
 const ICMP_DEST_UNREACH: u8 = 3;
@@ -142,7 +157,7 @@ fn parse_icmp_error(ctx: &TcContext, daddr_be: u32, l4_off: usize, ip_end: usize
     if !quotes
         || version_ihl != 0x45
         || (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
-        || u16::from_be(frag_off) & IP_MF_OFFSET_MASK & !0x2000 != 0
+        || u16::from_be(frag_off) & IP_OFFSET_MASK != 0
     {
         return Parsed::NotOurs;
     }
@@ -166,6 +181,8 @@ fn parse_icmp_error(ctx: &TcContext, daddr_be: u32, l4_off: usize, ip_end: usize
         ip_hlen: IPV4_MIN_HLEN,
         seq: 0,
         seq_end: 0,
+        ip_id_be: 0,
+        more_fragments: false,
     };
     Parsed::IcmpError(IcmpError { daddr_be, icmp_off: l4_off, inner })
 }
@@ -193,12 +210,24 @@ pub fn parse(ctx: &TcContext) -> Parsed {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_ICMP {
         return Parsed::NotOurs;
     }
-    if u16::from_be(frag_off) & IP_MF_OFFSET_MASK != 0 {
-        return Parsed::Fragment;
+    let frag_off = u16::from_be(frag_off);
+    let Ok(ip_id_be) = ctx.load::<u16>(ETH_HLEN + 4) else { return Parsed::BadHeader };
+    if frag_off & IP_OFFSET_MASK != 0 {
+        if proto == IPPROTO_ICMP {
+            return Parsed::NotOurs;
+        }
+        let (Ok(saddr_be), Ok(daddr_be)) = (ctx.load::<u32>(IP_SADDR_OFF), ctx.load::<u32>(IP_DADDR_OFF)) else {
+            return Parsed::BadHeader;
+        };
+        return Parsed::Fragment(LaterFragment { saddr_be, daddr_be, id_be: ip_id_be, proto });
     }
+    let more_fragments = frag_off & IP_MF != 0;
     let l4_off = ETH_HLEN + ip_hlen;
     let ip_end = ETH_HLEN + tot_len;
     if proto == IPPROTO_ICMP {
+        if more_fragments {
+            return Parsed::NotOurs;
+        }
         let Ok(daddr_be) = ctx.load::<u32>(IP_DADDR_OFF) else { return Parsed::BadHeader };
         return parse_icmp_error(ctx, daddr_be, l4_off, ip_end);
     }
@@ -212,7 +241,20 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         return Parsed::BadHeader;
     };
     let Segment { flags: tcp_flags, seq, seq_end } = segment;
-    Parsed::Flow(Flow { saddr_be, daddr_be, sport_be, dport_be, proto, l4_off, tcp_flags, ip_hlen, seq, seq_end })
+    Parsed::Flow(Flow {
+        saddr_be,
+        daddr_be,
+        sport_be,
+        dport_be,
+        proto,
+        l4_off,
+        tcp_flags,
+        ip_hlen,
+        seq,
+        seq_end,
+        ip_id_be,
+        more_fragments,
+    })
 }
 
 /// What conntrack reads of a TCP segment (all zero for UDP).

@@ -1,8 +1,8 @@
 //! Reading and rewriting Ethernet/IPv6/TCP/UDP headers for the TC programs: the IPv6
 //! counterpart of `packet`.
 //!
-//! Extension headers (hop-by-hop, routing, destination options) before TCP/UDP are skipped, up to
-//! a few; a Fragment header makes the packet a fragment (passed untouched, as in IPv4). IPv6 has
+//! Extension headers (hop-by-hop, routing, destination options, fragment) before TCP/UDP are
+//! skipped, up to a few; a later fragment (no L4 header) is reported as such, for `frag`. IPv6 has
 //! no header checksum, so a rewrite only fixes the L4 checksum (through the pseudo-header for
 //! addresses), with `bpf_csum_diff` over the 16-byte addresses.
 
@@ -49,6 +49,11 @@ pub struct Flow6 {
     /// TCP sequence numbers (see `packet::Segment`).
     pub seq: u32,
     pub seq_end: u32,
+    /// A Fragment header's identification, and whether more fragments follow (this is a first
+    /// fragment; `frag` records its translation). For a later fragment ([`Parsed6::Fragment`])
+    /// only the addresses, `proto` and this are set.
+    pub frag_id_be: u32,
+    pub more_fragments: bool,
 }
 
 impl Flow6 {
@@ -97,7 +102,7 @@ pub enum Parsed6 {
     NotOurs,
     /// Truncated, or the payload length lies.
     BadHeader,
-    /// Carries a Fragment header.
+    /// A later fragment (offset > 0): `out.flow` holds its addresses, `proto` and `frag_id_be`.
     Fragment,
     /// `out.flow` holds the packet's tuple.
     Flow,
@@ -145,6 +150,8 @@ fn parse_icmp6_error(ctx: &TcContext, out: &mut IcmpError6, icmp_off: usize, ip_
     out.inner.tcp_flags = 0;
     out.inner.seq = 0;
     out.inner.seq_end = 0;
+    out.inner.frag_id_be = 0;
+    out.inner.more_fragments = false;
     Parsed6::IcmpError
 }
 
@@ -174,9 +181,34 @@ pub fn parse6(ctx: &TcContext, out: &mut Parsed6Out) -> Parsed6 {
     }
     let mut next = first_next;
     let mut l4_off = ETH_HLEN + IPV6_HLEN;
+    out.flow.frag_id_be = 0;
+    out.flow.more_fragments = false;
     for _ in 0..MAX_EXT_HEADERS {
         match next {
-            NEXTHDR_FRAGMENT => return Parsed6::Fragment,
+            NEXTHDR_FRAGMENT => {
+                // next header, reserved, offset (13 bits) | 2 reserved | M, identification.
+                let (Ok(following), Ok(offset_m), Ok(id_be)) =
+                    (ctx.load::<u8>(l4_off), ctx.load::<u16>(l4_off + 2), ctx.load::<u32>(l4_off + 4))
+                else {
+                    return Parsed6::BadHeader;
+                };
+                let offset_m = u16::from_be(offset_m);
+                out.flow.frag_id_be = id_be;
+                out.flow.more_fragments = offset_m & 1 != 0;
+                next = following;
+                if offset_m >> 3 != 0 {
+                    let flow = &mut out.flow;
+                    if load_addr(ctx, IP6_SADDR_OFF, &mut flow.saddr).is_err() || load_addr(ctx, IP6_DADDR_OFF, &mut flow.daddr).is_err() {
+                        return Parsed6::BadHeader;
+                    }
+                    flow.proto = next;
+                    return Parsed6::Fragment;
+                }
+                l4_off += 8;
+                if l4_off > ip_end {
+                    return Parsed6::BadHeader;
+                }
+            }
             NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST => {
                 let (Ok(following), Ok(units)) = (ctx.load::<u8>(l4_off), ctx.load::<u8>(l4_off + 1)) else {
                     return Parsed6::BadHeader;
@@ -192,6 +224,9 @@ pub fn parse6(ctx: &TcContext, out: &mut Parsed6Out) -> Parsed6 {
     }
     let proto = next;
     if proto == IPPROTO_ICMPV6 {
+        if out.flow.more_fragments {
+            return Parsed6::NotOurs;
+        }
         return parse_icmp6_error(ctx, &mut out.icmp, l4_off, ip_end);
     }
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {

@@ -80,7 +80,7 @@ fn ethertype(ctx: &TcContext) -> Option<u16> {
 fn pass_counted(parsed: &Parsed) -> i32 {
     match parsed {
         Parsed::BadHeader => count(stat::TC_BAD_HEADER),
-        Parsed::Fragment => count(stat::TC_FRAGMENT),
+        Parsed::Fragment(_) => count(stat::TC_FRAGMENT),
         Parsed::NotOurs | Parsed::Flow(_) | Parsed::IcmpError(_) => {}
     }
     PASS
@@ -100,6 +100,7 @@ fn ingress(ctx: &TcContext) -> i32 {
     let flow = match parse(ctx) {
         Parsed::Flow(flow) => flow,
         Parsed::IcmpError(error) => return icmp_error(ctx, &error),
+        Parsed::Fragment(fragment) => return crate::frag::later(ctx, &fragment, true),
         other => return pass_counted(&other),
     };
     let now = now_ns();
@@ -197,7 +198,10 @@ fn ingress(ctx: &TcContext) -> i32 {
         return DROP;
     }
     count(stat::TC_DNAT);
-    let Some((snat_addr_be, snat_port_be)) = target.snat else { return PASS };
+    let Some((snat_addr_be, snat_port_be)) = target.snat else {
+        crate::frag::remember(&flow, flow.saddr_be, target.addr_be, false);
+        return PASS;
+    };
     let rewritten = rewrite_addr(ctx, &flow, IP_SADDR_OFF, flow.saddr_be, snat_addr_be)
         .and_then(|()| rewrite_port(ctx, &flow, flow.l4_off, flow.sport_be, snat_port_be));
     if rewritten.is_err() {
@@ -205,6 +209,7 @@ fn ingress(ctx: &TcContext) -> i32 {
         return DROP;
     }
     count(stat::TC_SNAT);
+    crate::frag::remember(&flow, snat_addr_be, target.addr_be, true);
     forward_routed(ctx, flow.proto, snat_addr_be, target.addr_be)
 }
 
@@ -333,6 +338,7 @@ fn snat_reply(ctx: &TcContext, flow: &Flow, entry: &mut CtEntry4, now: u64) -> i
         return DROP;
     }
     count(stat::TC_SNAT_REPLY);
+    crate::frag::remember(flow, entry.frontend_addr_be, entry.client_addr_be, true);
     forward_routed(ctx, flow.proto, entry.frontend_addr_be, entry.client_addr_be)
 }
 
@@ -422,6 +428,7 @@ fn tracked_backend(flow: &Flow, now: u64) -> Option<Target> {
 fn egress(ctx: &TcContext) -> i32 {
     let flow = match parse(ctx) {
         Parsed::Flow(flow) => flow,
+        Parsed::Fragment(fragment) => return crate::frag::later(ctx, &fragment, false),
         other => return pass_counted(&other),
     };
     let Some(entry) = CT4.get_ptr_mut(&reply_key(&flow)) else { return PASS };
@@ -442,5 +449,6 @@ fn egress(ctx: &TcContext) -> i32 {
         return DROP;
     }
     count(stat::TC_REV_NAT);
+    crate::frag::remember(&flow, frontend_addr_be, flow.daddr_be, false);
     PASS
 }

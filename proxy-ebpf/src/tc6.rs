@@ -110,6 +110,7 @@ pub fn ingress6(ctx: &TcContext) -> i32 {
     match parse6(ctx, &mut w.parsed) {
         Parsed6::Flow => {}
         Parsed6::IcmpError => return icmp_error6(ctx, w),
+        Parsed6::Fragment => return crate::frag::later6(ctx, &w.parsed.flow, true),
         other => return pass_counted(other),
     }
     let now = now_ns();
@@ -148,6 +149,7 @@ fn translate6(ctx: &TcContext, w: &mut Work6) -> i32 {
     }
     count(stat::TC_DNAT);
     if entry.nat & ct::NAT_SNAT == 0 {
+        crate::frag::remember6(flow, &flow.saddr, &entry.backend_addr, false);
         return PASS;
     }
     let rewritten = rewrite_addr6(ctx, flow, IP6_SADDR_OFF, &flow.saddr, &entry.snat_addr)
@@ -157,6 +159,7 @@ fn translate6(ctx: &TcContext, w: &mut Work6) -> i32 {
         return DROP;
     }
     count(stat::TC_SNAT);
+    crate::frag::remember6(flow, &entry.snat_addr, &entry.backend_addr, true);
     forward_routed6(ctx, flow.proto, &entry.snat_addr, &entry.backend_addr)
 }
 
@@ -349,6 +352,7 @@ fn snat_reply6(ctx: &TcContext, w: &mut Work6, now: u64) -> i32 {
         return DROP;
     }
     count(stat::TC_SNAT_REPLY);
+    crate::frag::remember6(flow, &entry.frontend_addr, &entry.client_addr, true);
     forward_routed6(ctx, flow.proto, &entry.frontend_addr, &entry.client_addr)
 }
 
@@ -401,6 +405,7 @@ pub fn egress6(ctx: &TcContext) -> i32 {
     let Some(w) = work() else { return PASS };
     match parse6(ctx, &mut w.parsed) {
         Parsed6::Flow => {}
+        Parsed6::Fragment => return crate::frag::later6(ctx, &w.parsed.flow, false),
         other => return pass_counted(other),
     }
     let flow = &w.parsed.flow;
@@ -425,5 +430,6 @@ pub fn egress6(ctx: &TcContext) -> i32 {
         return DROP;
     }
     count(stat::TC_REV_NAT);
+    crate::frag::remember6(flow, &entry.frontend_addr, &flow.daddr, false);
     PASS
 }

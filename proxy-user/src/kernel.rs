@@ -144,7 +144,7 @@ struct MapLayout {
     max_entries: u32,
 }
 
-fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 16] {
+fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 18] {
     use std::mem::size_of;
     let size = |n: usize| n as u32;
     [
@@ -252,6 +252,20 @@ fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 16] {
             key_size: 4,
             value_size: size(size_of::<proxy_abi::IfAddr6>()),
             max_entries: capacity::IFADDR6,
+        },
+        MapLayout {
+            name: map_name::FRAG4,
+            map_type: MapType::LruHash,
+            key_size: size(size_of::<proxy_abi::FragKey4>()),
+            value_size: size(size_of::<proxy_abi::FragValue4>()),
+            max_entries: capacity::FRAG4,
+        },
+        MapLayout {
+            name: map_name::FRAG6,
+            map_type: MapType::LruHash,
+            key_size: size(size_of::<proxy_abi::FragKey6>()),
+            value_size: size(size_of::<proxy_abi::FragValue6>()),
+            max_entries: capacity::FRAG6,
         },
         MapLayout {
             name: map_name::CONFIG,

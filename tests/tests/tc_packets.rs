@@ -179,12 +179,12 @@ fn cases() -> Vec<Case> {
             counter: Some("tc_fragment"),
         },
         Case {
-            description: "first fragment (more-fragments set) passes untouched like the rest",
+            description: "first fragment (more-fragments set) is DNATed like any datagram of its flow",
             seed: ONE_UDP,
             program: INGRESS,
             input: fragment(0x2000).build(),
-            expect: Expect::Untouched,
-            counter: Some("tc_fragment"),
+            expect: Expect::Frame(TC_ACT_OK, Frame { frag_off: 0x2000, ..Frame::udp(CLIENT, BACKEND_A) }.build()),
+            counter: Some("tc_dnat"),
         },
         Case {
             description: "TCP SYN to a frontend without backends: ICMP port unreachable back out",
@@ -273,6 +273,39 @@ fn single_packet_cases() {
         }
     }
     assert!(failures.is_empty(), "{} case(s) failed:\n{}", failures.len(), failures.join("\n\n"));
+}
+
+/// `frame` (IPv4) with its destination address replaced and the IP header checksum recomputed,
+/// nothing else: what a translated later fragment (no L4 header) must look like.
+fn with_ip_daddr(mut frame: Vec<u8>, daddr: Ipv4Addr) -> Vec<u8> {
+    frame[ETH_HLEN + 16..ETH_HLEN + 20].copy_from_slice(&daddr.octets());
+    frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&[0, 0]);
+    let csum = e2e::packet::checksum(&[&frame[ETH_HLEN..ETH_HLEN + 20]]);
+    frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&csum.to_be_bytes());
+    frame
+}
+
+#[test]
+fn the_later_fragments_of_a_datagram_follow_its_first_fragment_to_the_backend() {
+    let mut programs = TcPrograms::load().unwrap();
+    programs.put_frontend(NODE_PORT, IPPROTO_UDP, 7, svc_flags::NODE_PORT, &[(1, BACKEND_A, LOCAL)]).unwrap();
+    let first = Frame { frag_off: 0x2000, ip_id: 0x4242, ..Frame::udp(CLIENT, NODE_PORT) };
+    let out = programs.run(INGRESS, &first.build()).unwrap();
+    assert_eq!(out.frame, Frame { frag_off: 0x2000, ip_id: 0x4242, ..Frame::udp(CLIENT, BACKEND_A) }.build());
+    // The next fragment (offset 16 bytes, more to come) and the last one: their bytes after the
+    // IP header are data, untouched; only the destination (and the IP checksum) change.
+    for frag_off in [0x2002, 0x0004] {
+        let later = Frame { frag_off, ip_id: 0x4242, ..Frame::udp(CLIENT, NODE_PORT) }.build();
+        let out = programs.run(INGRESS, &later).unwrap();
+        assert_eq!((out.verdict, out.frame.clone()), (TC_ACT_OK, with_ip_daddr(later.clone(), *BACKEND_A.ip())), "fragment at {frag_off:#x}");
+        let ip = read_ipv4(&out.frame).expect("IPv4");
+        assert!(ip.ip_checksum_ok, "{ip:?}");
+    }
+    assert_eq!(programs.counter("tc_fragment_xlate").unwrap(), 2);
+    // Another datagram's later fragment (another IP id) has no first fragment here: untouched.
+    let stranger = Frame { frag_off: 0x0004, ip_id: 0x4343, ..Frame::udp(CLIENT, NODE_PORT) }.build();
+    assert_eq!(programs.run(INGRESS, &stranger).unwrap().frame, stranger);
+    assert_eq!(programs.counter("tc_fragment").unwrap(), 1);
 }
 
 #[test]

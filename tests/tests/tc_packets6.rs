@@ -70,18 +70,28 @@ fn replies_leave_from_the_ipv6_frontend_and_the_flow_keeps_its_backend() {
 }
 
 #[test]
-fn extension_headers_before_tcp_are_skipped_and_fragments_pass_untouched() {
+fn extension_headers_before_tcp_are_skipped_and_later_fragments_follow_their_first_fragment() {
     let programs = with_backend_a();
     let input = Frame6::tcp(client(), node_port(), TCP_SYN).with_ext(Ext::DestOptions);
     let out = programs.run(INGRESS, &input.build()).unwrap();
     assert_eq!(out.frame, Frame6 { dst: backend_a(), ..input }.build(), "DNAT behind a destination options header");
 
-    for fragment in [Ext::Fragment { offset: 0, more: true }, Ext::Fragment { offset: 3, more: false }] {
-        let input = Frame6::udp(client(), node_port()).with_ext(fragment).build();
-        let out = programs.run(INGRESS, &input).unwrap();
-        assert_eq!((out.verdict, &out.frame), (TC_ACT_OK, &input));
-    }
-    assert_eq!(programs.counter("tc_fragment").unwrap(), 2);
+    // A later fragment before its first one: nothing to follow, untouched.
+    let later = Frame6::udp(client(), node_port()).with_ext(Ext::Fragment { offset: 3, more: false }).build();
+    let out = programs.run(INGRESS, &later).unwrap();
+    assert_eq!((out.verdict, &out.frame), (TC_ACT_OK, &later));
+    assert_eq!(programs.counter("tc_fragment").unwrap(), 1);
+    // The first fragment (after the Fragment header, the UDP header) is DNATed as its flow...
+    let first = Frame6::udp(client(), node_port()).with_ext(Ext::Fragment { offset: 0, more: true });
+    let out = programs.run(INGRESS, &first.build()).unwrap();
+    assert_eq!((out.verdict, out.frame), (TC_ACT_OK, Frame6 { dst: backend_a(), ..first }.build()));
+    // ...and the later one now follows it: only its destination changes (no L4 header in it,
+    // no IPv6 header checksum).
+    let out = programs.run(INGRESS, &later).unwrap();
+    let mut expected = later.clone();
+    expected[14 + 24..14 + 40].copy_from_slice(&backend_a().ip().octets());
+    assert_eq!((out.verdict, out.frame), (TC_ACT_OK, expected));
+    assert_eq!(programs.counter("tc_fragment_xlate").unwrap(), 1);
 }
 
 #[test]

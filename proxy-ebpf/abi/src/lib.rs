@@ -30,11 +30,14 @@ pub mod map_name {
     pub const IFADDR6: &str = "epx_ifaddr6_v1";
     /// The agent's settings for the kernel programs (`DatapathConfig`, one entry).
     pub const CONFIG: &str = "epx_cfg_v1";
+    /// LRU: the translation of a fragmented datagram's first fragment, for the later ones.
+    pub const FRAG4: &str = "epx_frag4_v1";
+    pub const FRAG6: &str = "epx_frag6_v1";
 
     /// Every map the agent owns, in the order `dump` prints them.
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 18] = [
         SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS, CT4, IFADDR4, AFFINITY4, MAGLEV4, SERVICES6, BACKENDS6,
-        REV_NAT6, REV_SOCK6, CT6, IFADDR6, CONFIG,
+        REV_NAT6, REV_SOCK6, CT6, IFADDR6, CONFIG, FRAG4, FRAG6,
     ];
 
     /// Pins of earlier layouts that no program of this build uses: the agent unpins them once
@@ -70,6 +73,10 @@ pub mod capacity {
     pub const REV_SOCK6: u32 = 65_536;
     pub const CT6: u32 = 65_536;
     pub const IFADDR6: u32 = IFADDR4;
+    /// LRU: one entry per fragmented datagram in flight (only its first fragment's lifetime
+    /// matters: the later ones follow within milliseconds).
+    pub const FRAG4: u32 = 16_384;
+    pub const FRAG6: u32 = 16_384;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -283,7 +290,8 @@ pub mod stat {
     pub const TC_CT_RECORD_FAIL: u32 = 12;
     /// A truncated or inconsistent IPv4/TCP/UDP header: passed untouched.
     pub const TC_BAD_HEADER: u32 = 13;
-    /// An IPv4 fragment (first or not): passed untouched, its ports are not attributable.
+    /// A later fragment (no ports) of a datagram whose first fragment was not translated here
+    /// (not ours, or it has not arrived): passed untouched.
     pub const TC_FRAGMENT: u32 = 14;
     /// A rewrite or checksum helper failed: the packet was dropped rather than sent half-rewritten.
     pub const TC_REWRITE_FAIL: u32 = 15;
@@ -321,7 +329,9 @@ pub mod stat {
     pub const TC_RST_OUT_OF_WINDOW: u32 = 27;
     /// TC ingress: a SYN reused the tuple of a closed flow and got a fresh backend pick.
     pub const TC_CT_REOPENED: u32 = 28;
-    pub const COUNT: u32 = 29;
+    /// A later fragment got the translation of its datagram's first fragment.
+    pub const TC_FRAGMENT_XLATE: u32 = 29;
+    pub const COUNT: u32 = 30;
     /// Slots of the stats map: more than `COUNT`, so that a new counter does not change the
     /// pinned map's layout (an upgrade keeps the map and its counts).
     pub const SLOTS: u32 = 64;
@@ -357,6 +367,7 @@ pub mod stat {
         "tc_ct_expired_removed",
         "tc_rst_out_of_window",
         "tc_ct_reopened",
+        "tc_fragment_xlate",
     ];
 }
 
@@ -416,6 +427,9 @@ pub mod ct {
     /// number hits it once in 2,048 tries, and then the endpoint's own check (RFC 5961) still
     /// stands. A RST outside it is passed on and the flow stays established.
     pub const RST_WINDOW: u32 = 1 << 20;
+    /// A fragment map entry older than this is ignored (Linux's own reassembly timeout): the
+    /// IP identification may have been reused by then.
+    pub const FRAGMENT_TIMEOUT_NS: u64 = 30 * 1_000_000_000;
 
     /// How long an entry in `state` lives without traffic.
     pub const fn timeout_ns(proto: u8, tcp_seen: u8) -> u64 {
@@ -438,6 +452,55 @@ pub mod ct {
         now_ns.wrapping_sub(state.last_seen_ns) > timeout_ns(proto, state.tcp_seen) + REFRESH_NS
     }
 }
+
+/// Key of the fragment map: a datagram as the node received it (RFC 791's reassembly key).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct FragKey4 {
+    pub saddr_be: u32,
+    pub daddr_be: u32,
+    pub id_be: u16,
+    pub proto: u8,
+    pub pad: u8,
+}
+const _: () = assert!(size_of::<FragKey4>() == 12);
+
+/// Value of the fragment map: the addresses the first fragment left with, and whether the
+/// program sent it on itself (SNAT: the later ones must be redirected alike).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct FragValue4 {
+    pub saddr_be: u32,
+    pub daddr_be: u32,
+    pub created_ns: u64,
+    pub redirect: u8,
+    pub pad: [u8; 7],
+}
+const _: () = assert!(size_of::<FragValue4>() == 24);
+
+/// [`FragKey4`] for IPv6 (the Fragment header's 32-bit identification).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct FragKey6 {
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
+    pub id_be: u32,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+const _: () = assert!(size_of::<FragKey6>() == 40);
+
+/// [`FragValue4`] for IPv6.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct FragValue6 {
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
+    pub created_ns: u64,
+    pub redirect: u8,
+    pub pad: [u8; 7],
+}
+const _: () = assert!(size_of::<FragValue6>() == 48);
 
 /// The agent's settings for the kernel programs (`epx_cfg_v1`, an array of one). All zero (an
 /// agent that has not written it yet) means the ABI defaults. Reserved space keeps the layout
@@ -695,4 +758,8 @@ mod pod {
     unsafe impl aya::Pod for CtEntry6 {}
     unsafe impl aya::Pod for CtState {}
     unsafe impl aya::Pod for DatapathConfig {}
+    unsafe impl aya::Pod for FragKey4 {}
+    unsafe impl aya::Pod for FragValue4 {}
+    unsafe impl aya::Pod for FragKey6 {}
+    unsafe impl aya::Pod for FragValue6 {}
 }

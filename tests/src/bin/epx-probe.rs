@@ -140,6 +140,10 @@ struct ClientArgs {
     /// TIME_WAIT behind on the client.
     #[arg(long)]
     reset: bool,
+    /// UDP: send datagrams of this many bytes (larger than the MTU: fragments); the server
+    /// answers with as many, and an answer of another size counts as failed.
+    #[arg(long)]
+    size: Option<usize>,
 }
 
 fn error_name(error: &std::io::Error) -> String {
@@ -198,9 +202,15 @@ fn serve(name: String, tcp: Vec<u16>, udp: Vec<u16>, tcp_peer: Vec<u16>) -> ! {
         let socket = bind_any(port, UdpSocket::bind);
         let name = name.clone();
         std::thread::spawn(move || {
-            let mut buf = [0u8; 2048];
-            while let Ok((_, from)) = socket.recv_from(&mut buf) {
-                let _ = socket.send_to(name.as_bytes(), from);
+            let mut buf = vec![0u8; 65_536];
+            while let Ok((n, from)) = socket.recv_from(&mut buf) {
+                // A large request gets an answer as large (its name, padded with spaces), so
+                // that the answer is fragmented too.
+                let mut answer = name.clone().into_bytes();
+                if n > 1000 {
+                    answer.resize(n.max(answer.len()), b' ');
+                }
+                let _ = socket.send_to(&answer, from);
             }
         });
     }
@@ -261,16 +271,25 @@ fn udp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
 }
 
 fn udp_once_from(source_port: u16, to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
+    udp_sized_from(source_port, None, to, timeout)
+}
+
+/// One request from `source_port` (0: any), of `size` bytes if given (answered by as many).
+fn udp_sized_from(source_port: u16, size: Option<usize>, to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
     let socket = udp_client_socket(to, source_port)?;
     socket.set_read_timeout(Some(timeout))?;
-    socket.send_to(b"ping", to)?;
-    let mut buf = [0u8; 2048];
+    let request = size.map_or_else(|| b"ping".to_vec(), |n| vec![b'x'; n]);
+    socket.send_to(&request, to)?;
+    let mut buf = vec![0u8; 65_536];
     let (n, from) = socket.recv_from(&mut buf)?;
     // The reply must appear to come from the Service address (reverse translation).
     if from != to {
         return Err(std::io::Error::other(format!("reply came from {from}, expected {to}")));
     }
-    Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    if let Some(size) = size.filter(|s| *s > 1000 && n != *s) {
+        return Err(std::io::Error::other(format!("answer of {n} bytes to a request of {size}")));
+    }
+    Ok(String::from_utf8_lossy(&buf[..n]).trim_end().to_owned())
 }
 
 fn run_requests(count: u32, mut once: impl FnMut() -> std::io::Result<String>) -> Summary {
@@ -425,7 +444,7 @@ fn main() {
             run_requests(a.count, || {
                 let port = next_port.unwrap_or(0);
                 next_port = next_port.map(|p| p.wrapping_add(1));
-                udp_once_from(port, a.to, Duration::from_millis(a.timeout_ms))
+                udp_sized_from(port, a.size, a.to, Duration::from_millis(a.timeout_ms))
             })
         }
     };
