@@ -71,6 +71,11 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     };
     let mut datapath =
         kernel::load(&args.bpffs, &cgroup, &caps, object.as_deref()).context("setting up the datapath")?;
+    match kernel::carry_over_v1_conntrack(&args.bpffs) {
+        Ok(0) => {}
+        Ok(flows) => tracing::info!(entries = flows, "carried the tracked flows of the previous conntrack layout over"),
+        Err(error) => tracing::warn!("cannot carry the previous layout's tracked flows over: {}", error_chain(&error)),
+    }
     kernel::tc::attach(&mut datapath, &args.bpffs, &interfaces, args.tc_attach)
         .with_context(|| format!("attaching the packet-level programs to {interfaces:?}"))?;
     configure_snat_ports(&args)?;
@@ -288,10 +293,18 @@ fn configure_snat_ports(args: &AgentArgs) -> anyhow::Result<()> {
 /// Deletes conntrack entries past their timeout, off the async workers.
 fn remove_expired_flows(bpffs: &std::path::Path) {
     let bpffs = bpffs.to_owned();
-    tokio::task::spawn_blocking(move || match kernel::remove_expired_flows(&bpffs) {
-        Ok(0) => {}
-        Ok(removed) => tracing::debug!(removed, "removed expired conntrack entries"),
-        Err(error) => tracing::warn!("cannot remove expired conntrack entries: {}", error_chain(&error)),
+    tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        match kernel::remove_expired_flows(&bpffs) {
+            Ok(gc) if gc.removed == 0 => {}
+            Ok(gc) => tracing::debug!(
+                removed = gc.removed,
+                scanned = gc.scanned,
+                took_ms = format!("{:.1}", started.elapsed().as_secs_f64() * 1e3),
+                "removed expired conntrack entries"
+            ),
+            Err(error) => tracing::warn!("cannot remove expired conntrack entries: {}", error_chain(&error)),
+        }
     });
 }
 

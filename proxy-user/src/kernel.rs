@@ -742,8 +742,23 @@ pub fn purge_stale_flows(bpffs: &Path) -> Result<PurgedFlows, DatapathError> {
 /// Removes the entries `stale` picks from a live map; returns how many it removed. An entry the
 /// kernel evicted or expired meanwhile is not counted, and is fine either way.
 fn remove_where<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, stale: impl Fn(&K, &V) -> bool) -> usize {
-    let keys: Vec<K> = map.iter().filter_map(Result::ok).filter(|(k, v)| stale(k, v)).map(|(k, _)| k).collect();
-    keys.iter().filter(|key| map.remove(key).is_ok()).count()
+    remove_where_counting(map, stale).1
+}
+
+/// [`remove_where`], also returning how many entries it looked at: (scanned, removed).
+fn remove_where_counting<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    stale: impl Fn(&K, &V) -> bool,
+) -> (usize, usize) {
+    let mut scanned = 0;
+    let keys: Vec<K> = map
+        .iter()
+        .filter_map(Result::ok)
+        .inspect(|_| scanned += 1)
+        .filter(|(k, v)| stale(k, v))
+        .map(|(k, _)| k)
+        .collect();
+    (scanned, keys.iter().filter(|key| map.remove(key).is_ok()).count())
 }
 
 /// Writes the agent's settings for the kernel programs (`epx_cfg_v1`); programs read them per
@@ -753,6 +768,134 @@ pub fn write_config(bpffs: &Path, config: &proxy_abi::DatapathConfig) -> Result<
     let mut array: aya::maps::Array<MapData, proxy_abi::DatapathConfig> =
         aya::maps::Array::try_from(map).map_err(|source| DatapathError::MapLayout { name: map_name::CONFIG, source })?;
     array.set(0, config, 0).map_err(|source| DatapathError::MapWrite { name: map_name::CONFIG, source })
+}
+
+/// A conntrack value of the layout before `epx_ct4_v2` (the state inline, no sequence number).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtEntry4V1 {
+    pub backend_addr_be: u32,
+    pub frontend_addr_be: u32,
+    pub client_addr_be: u32,
+    pub snat_addr_be: u32,
+    pub backend_port_be: u16,
+    pub frontend_port_be: u16,
+    pub client_port_be: u16,
+    pub snat_port_be: u16,
+    pub backend_id: u32,
+    pub rev_nat_id: u16,
+    pub nat: u8,
+    pub tcp_seen: u8,
+    pub last_seen_ns: u64,
+}
+const _: () = assert!(std::mem::size_of::<CtEntry4V1>() == 40);
+
+/// [`CtEntry4V1`] for IPv6 (`epx_ct6_v1`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtEntry6V1 {
+    pub backend_addr: [u32; 4],
+    pub frontend_addr: [u32; 4],
+    pub client_addr: [u32; 4],
+    pub snat_addr: [u32; 4],
+    pub backend_port_be: u16,
+    pub frontend_port_be: u16,
+    pub client_port_be: u16,
+    pub snat_port_be: u16,
+    pub backend_id: u32,
+    pub rev_nat_id: u16,
+    pub nat: u8,
+    pub tcp_seen: u8,
+    pub last_seen_ns: u64,
+}
+const _: () = assert!(std::mem::size_of::<CtEntry6V1>() == 88);
+
+// SAFETY: repr(C) plain integers without implicit padding (sizes asserted above).
+unsafe impl aya::Pod for CtEntry4V1 {}
+unsafe impl aya::Pod for CtEntry6V1 {}
+
+/// The state of a v1 entry in the v2 layout: the TCP bits mean the same; the next sequence
+/// number is not known (0), so the first RST of either side is believed, as before.
+fn state_of_v1(tcp_seen: u8, last_seen_ns: u64) -> proxy_abi::CtState {
+    proxy_abi::CtState { last_seen_ns, seq_next: 0, tcp_seen, pad: [0; 3] }
+}
+
+impl From<CtEntry4V1> for CtEntry4 {
+    fn from(v1: CtEntry4V1) -> Self {
+        Self {
+            backend_addr_be: v1.backend_addr_be,
+            frontend_addr_be: v1.frontend_addr_be,
+            client_addr_be: v1.client_addr_be,
+            snat_addr_be: v1.snat_addr_be,
+            backend_port_be: v1.backend_port_be,
+            frontend_port_be: v1.frontend_port_be,
+            client_port_be: v1.client_port_be,
+            snat_port_be: v1.snat_port_be,
+            backend_id: v1.backend_id,
+            rev_nat_id: v1.rev_nat_id,
+            nat: v1.nat,
+            pad: 0,
+            state: state_of_v1(v1.tcp_seen, v1.last_seen_ns),
+        }
+    }
+}
+
+impl From<CtEntry6V1> for CtEntry6 {
+    fn from(v1: CtEntry6V1) -> Self {
+        Self {
+            backend_addr: v1.backend_addr,
+            frontend_addr: v1.frontend_addr,
+            client_addr: v1.client_addr,
+            snat_addr: v1.snat_addr,
+            backend_port_be: v1.backend_port_be,
+            frontend_port_be: v1.frontend_port_be,
+            client_port_be: v1.client_port_be,
+            snat_port_be: v1.snat_port_be,
+            backend_id: v1.backend_id,
+            rev_nat_id: v1.rev_nat_id,
+            nat: v1.nat,
+            pad: 0,
+            state: state_of_v1(v1.tcp_seen, v1.last_seen_ns),
+        }
+    }
+}
+
+/// Copies the flows an agent of the previous layout tracked (`epx_ct4_v1`, `epx_ct6_v1`) into
+/// this build's conntrack maps, so that an upgrade keeps established connections from outside
+/// on their backends and SNAT ports. Called after the new maps exist and before the packet
+/// programs are swapped (flows the old programs start in between are not carried over); the old
+/// pins go afterwards ([`remove_obsolete_pins`]). Returns how many entries it copied.
+pub fn carry_over_v1_conntrack(bpffs: &Path) -> Result<usize, DatapathError> {
+    let mut copied = 0;
+    if bpffs.join("epx_ct4_v1").exists() {
+        let old = open_pinned_hash::<CtKey4, CtEntry4V1>(bpffs, "epx_ct4_v1")?;
+        let mut new = open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?;
+        copied += copy_converted(&old, &mut new, map_name::CT4)?;
+    }
+    if bpffs.join("epx_ct6_v1").exists() {
+        let old = open_pinned_hash::<CtKey6, CtEntry6V1>(bpffs, "epx_ct6_v1")?;
+        let mut new = open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?;
+        copied += copy_converted(&old, &mut new, map_name::CT6)?;
+    }
+    Ok(copied)
+}
+
+fn copy_converted<K: aya::Pod, Old: aya::Pod, New: aya::Pod + From<Old>>(
+    old: &HashMap<MapData, K, Old>,
+    new: &mut HashMap<MapData, K, New>,
+    name: &'static str,
+) -> Result<usize, DatapathError> {
+    let mut copied = 0;
+    for (key, value) in old.iter().filter_map(Result::ok) {
+        // BPF_NOEXIST: a flow the new programs already track keeps its new entry.
+        const BPF_NOEXIST: u64 = 1;
+        match new.insert(key, New::from(value), BPF_NOEXIST) {
+            Ok(()) => copied += 1,
+            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(source) => return Err(DatapathError::MapWrite { name, source }),
+        }
+    }
+    Ok(copied)
 }
 
 /// Unpins the maps of earlier layouts (`map_name::OBSOLETE`) that no program of this build
@@ -768,14 +911,22 @@ pub fn remove_obsolete_pins(bpffs: &Path) -> Vec<PathBuf> {
 
 /// Deletes the conntrack entries of both families that are past their timeout (`ct::is_expired`,
 /// the rule the kernel programs apply too): the kernel already treats them as gone, this keeps
-/// the LRU and `dump` to live flows. Returns how many it removed. Costs two map syscalls per
-/// entry held (aya 0.14 has no batch lookup).
-pub fn remove_expired_flows(bpffs: &Path) -> Result<usize, DatapathError> {
+/// the LRU and `dump` to live flows. Costs two map syscalls per entry held and one per entry
+/// removed (aya 0.14 has no batch lookup).
+pub fn remove_expired_flows(bpffs: &Path) -> Result<ConntrackGc, DatapathError> {
     let now = crate::dump::monotonic_now_ns();
-    let expired4 = |k: &CtKey4, v: &CtEntry4| proxy_abi::ct::is_expired(&v.state, k.proto, now);
-    let expired6 = |k: &CtKey6, v: &CtEntry6| proxy_abi::ct::is_expired(&v.state, k.proto, now);
-    Ok(remove_where(&mut open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?, expired4)
-        + remove_where(&mut open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?, expired6))
+    let mut ct4 = open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?;
+    let mut ct6 = open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?;
+    let (scanned4, removed4) = remove_where_counting(&mut ct4, |k, v| proxy_abi::ct::is_expired(&v.state, k.proto, now));
+    let (scanned6, removed6) = remove_where_counting(&mut ct6, |k, v| proxy_abi::ct::is_expired(&v.state, k.proto, now));
+    Ok(ConntrackGc { scanned: scanned4 + scanned6, removed: removed4 + removed6 })
+}
+
+/// What one conntrack garbage collection did.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ConntrackGc {
+    pub scanned: usize,
+    pub removed: usize,
 }
 
 /// Detaches (by unpinning the links) and unpins everything under `bpffs`. Returns what it removed.

@@ -245,7 +245,7 @@ impl Agent {
             .arg("--state-dir")
             .arg(&self.state_dir)
             .args(&self.extra_args)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", std::env::var("EPX_AGENT_LOG").unwrap_or_else(|_| "info".into()))
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()

@@ -109,6 +109,10 @@ fn twenty_thousand_sequential_connections_at_1000_per_second_through_a_snated_no
     // Closed flows do not stay: once past their timeout the agent's garbage collection deletes
     // them, so the table (and the ports) hold live flows only.
     wait_for("the closed flows leave the conntrack table", Duration::from_secs(40), || env.flows().is_empty());
+    // The collections' cost, with EPX_AGENT_LOG=ebpf_proxy=debug.
+    for line in env.agent.log_text().lines().filter(|l| l.contains("removed expired conntrack entries")) {
+        eprintln!("{line}");
+    }
 }
 
 #[test]
@@ -349,4 +353,78 @@ ports: [{name: http, port: 8080, protocol: TCP}]
     let frontends: Vec<&str> = dump["conntrack"].as_array().expect("conntrack").iter().filter_map(|f| f["frontend"].as_str()).collect();
     assert!(frontends.contains(&format!("{}:{TCP_NODE_PORT}", env.client.node_ip).as_str()), "{frontends:?}");
     assert!(!frontends.contains(&"127.0.0.1:80"), "a frame to 127.0.0.1 was translated: {frontends:?}");
+}
+
+/// Creates a pinned LRU hash map at `path` with the given layout, as an agent of an earlier
+/// build left it (aya 0.14 creates maps only from an object).
+fn pin_lru_map(path: &std::path::Path, name: &str, key_size: u32, value_size: u32, max_entries: u32) {
+    use std::os::unix::ffi::OsStrExt;
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    const BPF_OBJ_PIN: libc::c_long = 6;
+    const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+    let mut attr = [0u8; 128];
+    for (offset, value) in [(0, BPF_MAP_TYPE_LRU_HASH), (4, key_size), (8, value_size), (12, max_entries)] {
+        attr[offset..offset + 4].copy_from_slice(&value.to_ne_bytes());
+    }
+    attr[28..28 + name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: bpf(2) with a zeroed attribute block of the size the kernel accepts.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, attr.as_ptr(), attr.len() as u32) };
+    assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path");
+    let mut attr = [0u8; 128];
+    attr[0..8].copy_from_slice(&(path.as_ptr() as u64).to_ne_bytes());
+    attr[8..12].copy_from_slice(&(fd as u32).to_ne_bytes());
+    // SAFETY: as above; `path` outlives the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, attr.as_ptr(), attr.len() as u32) };
+    assert_eq!(rc, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
+    // SAFETY: our descriptor; the pin holds the map.
+    unsafe { libc::close(fd as i32) };
+}
+
+/// A v2 conntrack entry in the layout before it (`epx_ct4_v1`): 36 bytes of translation, the TCP
+/// bits, the last-seen time.
+fn v1_value(entry: &proxy_abi::CtEntry4) -> [u8; 40] {
+    let mut v1 = [0u8; 40];
+    // SAFETY: CtEntry4 is repr(C) plain data; its first 30 bytes are the translation, laid out
+    // as in v1.
+    let bytes: &[u8] = unsafe { std::slice::from_raw_parts((entry as *const proxy_abi::CtEntry4).cast(), 30) };
+    v1[..30].copy_from_slice(bytes);
+    v1[30] = entry.nat;
+    v1[31] = entry.state.tcp_seen;
+    v1[32..40].copy_from_slice(&entry.state.last_seen_ns.to_ne_bytes());
+    v1
+}
+
+#[test]
+fn an_upgrade_from_the_v1_conntrack_layout_keeps_an_established_snated_connection() {
+    use aya::maps::{HashMap, Map, MapData};
+    use proxy_abi::{CtEntry4, CtKey4};
+    let mut env = far(&[]);
+    let (mut stream, mut reader, local) = open_stream(&env);
+    echo(&mut stream, &mut reader, "before").expect("echo");
+
+    // What the previous build would have left: this stream's two entries in an `epx_ct4_v1`
+    // map, none in the new one.
+    env.agent.kill().expect("kill");
+    let v2_path = env.agent.bpffs.join("epx_ct4_v2");
+    let mut v2: HashMap<MapData, CtKey4, CtEntry4> =
+        HashMap::try_from(Map::LruHashMap(MapData::from_pin(&v2_path).expect("epx_ct4_v2"))).expect("layout");
+    let client_port_be = local.port().to_be();
+    let entries: Vec<(CtKey4, CtEntry4)> =
+        v2.iter().filter_map(Result::ok).filter(|(_, e)| e.client_port_be == client_port_be).collect();
+    assert_eq!(entries.len(), 2, "the stream's forward and reply entries: {entries:?}");
+    let v1_path = env.agent.bpffs.join("epx_ct4_v1");
+    pin_lru_map(&v1_path, "epx_ct4_v1", 16, 40, 1024);
+    let mut v1: HashMap<MapData, CtKey4, [u8; 40]> =
+        HashMap::try_from(Map::LruHashMap(MapData::from_pin(&v1_path).expect("epx_ct4_v1"))).expect("layout");
+    for (key, entry) in &entries {
+        v1.insert(key, v1_value(entry), 0).expect("v1 entry");
+        v2.remove(key).expect("v2 entry");
+    }
+    drop((v1, v2));
+
+    env.agent.restart().expect("restart");
+    env.agent.wait_for_log("carried the tracked flows of the previous conntrack layout over entries=2");
+    echo(&mut stream, &mut reader, "after the upgrade").expect("the connection must survive the layout change");
+    assert!(!v1_path.exists(), "the old map is unpinned once the new programs run");
 }

@@ -32,6 +32,7 @@ pub const DEFAULT_TESTS: &[&str] = &[
     "tc_packets6",
     "nodeport_external",
     "ipv6",
+    "fragments",
     "vm_kernel_features",
 ];
 
