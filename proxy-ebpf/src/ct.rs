@@ -251,6 +251,51 @@ pub fn claim<K, V: Entry>(map: &LruHashMap<K, V>, key: &K, value: &V, proto: u8,
     }
 }
 
+/// A SNAT port search in progress (both families' `bpf_loop` context, on the stack): the
+/// callback of step `index` tries [`PortSearch::port_be`] and ends with [`PortSearch::after`].
+#[repr(C)]
+pub struct PortSearch {
+    pub now: u64,
+    /// A random index into the range, where the search starts.
+    pub start: u32,
+    /// How many ports the range has (`DatapathConfig::snat_port_count`), as many steps at most.
+    pub ports: u32,
+    pub proto: u8,
+    pub found: u8,
+    pub pad: [u8; 6],
+}
+
+impl PortSearch {
+    /// A search over the configured range from a random port; None when the range is empty.
+    #[inline(always)]
+    pub fn start(proto: u8, now: u64) -> Option<Self> {
+        let ports = crate::maps::CONFIG.get(0).map_or(0, |c| c.snat_port_count());
+        let start = unsafe { aya_ebpf::helpers::bpf_get_prandom_u32() }.checked_rem(ports)?;
+        Some(Self { now, start, ports, proto, found: 0, pad: [0; 6] })
+    }
+
+    /// The port (network byte order) step `index` tries.
+    #[inline(always)]
+    pub fn port_be(&self, index: u64) -> Option<u16> {
+        let config = crate::maps::CONFIG.get(0)?;
+        let slot = self.start.wrapping_add(index as u32).checked_rem(self.ports)?;
+        Some(config.snat_port(slot).to_be())
+    }
+
+    /// `bpf_loop`'s answer after a step: 0 to go on (the port is held), 1 to stop.
+    #[inline(always)]
+    pub fn after(&mut self, claim: Claim) -> i64 {
+        match claim {
+            Claim::Taken => {
+                self.found = 1;
+                1
+            }
+            Claim::Held => 0,
+            Claim::Failed => 1,
+        }
+    }
+}
+
 /// The key of the replies of a flow: backend -> client, or backend -> node address:SNAT port
 /// when the flow is SNATed.
 #[inline(always)]

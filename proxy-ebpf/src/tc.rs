@@ -35,11 +35,11 @@ use proxy_abi::{
 };
 
 use crate::ct::{
-    claim, forward_key, forward_key_of, new_state, now_ns, observe, record, reply_key, reply_key_of, share_state, Claim,
-    Packet,
+    claim, forward_key, forward_key_of, new_state, now_ns, observe, record, reply_key, reply_key_of, share_state, Packet,
+    PortSearch,
 };
 use crate::affinity;
-use crate::maps::{count, BACKENDS4, CONFIG, CT4, IFADDR4, MAGLEV4, SERVICES4};
+use crate::maps::{count, BACKENDS4, CT4, IFADDR4, MAGLEV4, SERVICES4};
 use crate::packet::{
     parse, rewrite_addr, rewrite_inner_addr, rewrite_inner_port, rewrite_outer_daddr, rewrite_port, Flow,
     IcmpError, Parsed, RewriteFailed, ETH_P_IP, IP_DADDR_OFF, IP_SADDR_OFF, TCP_ACK, TCP_SYN,
@@ -267,15 +267,10 @@ fn snat_address(ctx: &TcContext, flow: &Flow, frontend_flags: u8) -> Option<u32>
 /// The search for an SNAT port (`bpf_loop`'s context): the flow's reply entry, tried with one
 /// port after the other.
 #[repr(C)]
-struct PortSearch {
+struct PortSearch4 {
     entry: CtEntry4,
     key: CtKey4,
-    now: u64,
-    start: u32,
-    ports: u32,
-    proto: u8,
-    found: u8,
-    pad: [u8; 6],
+    search: PortSearch,
 }
 
 /// Claims a source port on `entry.snat_addr_be` for a new flow to `entry`'s backend by inserting
@@ -285,41 +280,24 @@ struct PortSearch {
 /// the range is: one failed insert and one lookup per held port.
 #[inline(always)]
 fn claim_snat_port(entry: &CtEntry4, proto: u8, now: u64) -> Option<u16> {
-    let ports = CONFIG.get(0).map_or(0, |c| c.snat_port_count());
-    let start = unsafe { bpf_get_prandom_u32() }.checked_rem(ports)?;
-    let mut search = PortSearch {
-        entry: *entry,
-        key: reply_key_of(entry, proto, 0, 0),
-        now,
-        start,
-        ports,
-        proto,
-        found: 0,
-        pad: [0; 6],
-    };
+    let search = PortSearch::start(proto, now)?;
+    let ports = search.ports;
+    let mut search = PortSearch4 { entry: *entry, key: reply_key_of(entry, proto, 0, 0), search };
     // The reply entry learns the backend's sequence numbers from its first answer.
     search.entry.state.seq_next = 0;
     let callback: unsafe extern "C" fn(u64, *mut c_void) -> c_long = try_snat_port;
     unsafe { bpf_loop(ports, callback as *mut c_void, (&raw mut search).cast(), 0) };
-    (search.found != 0).then_some(search.entry.snat_port_be)
+    (search.search.found != 0).then_some(search.entry.snat_port_be)
 }
 
-/// One step of [`claim_snat_port`]: 0 to go on, 1 to stop.
+/// One step of [`claim_snat_port`].
 unsafe extern "C" fn try_snat_port(index: u64, search: *mut c_void) -> c_long {
-    let search = unsafe { &mut *search.cast::<PortSearch>() };
-    let Some(config) = CONFIG.get(0) else { return 1 };
-    let Some(slot) = (search.start.wrapping_add(index as u32)).checked_rem(search.ports) else { return 1 };
-    let port_be = config.snat_port(slot).to_be();
-    search.entry.snat_port_be = port_be;
-    search.key.dport_be = port_be;
-    match claim(&CT4, &search.key, &search.entry, search.proto, search.now) {
-        Claim::Taken => {
-            search.found = 1;
-            1
-        }
-        Claim::Held => 0,
-        Claim::Failed => 1,
-    }
+    let s = unsafe { &mut *search.cast::<PortSearch4>() };
+    let Some(port_be) = s.search.port_be(index) else { return 1 };
+    s.entry.snat_port_be = port_be;
+    s.key.dport_be = port_be;
+    let claimed = claim(&CT4, &s.key, &s.entry, s.search.proto, s.search.now);
+    s.search.after(claimed)
 }
 
 /// backend:port -> node:SNAT port becomes frontend -> client, sent on to the client.

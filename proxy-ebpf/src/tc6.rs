@@ -25,8 +25,8 @@ use proxy_abi::{
 };
 
 use crate::affinity;
-use crate::ct::{claim, new_state, now_ns, observe, reply_key_of6, share_state, Claim, Packet};
-use crate::maps::{count, BACKENDS6, CONFIG, CT6, IFADDR6, SERVICES6};
+use crate::ct::{claim, new_state, now_ns, observe, reply_key_of6, share_state, Packet, PortSearch};
+use crate::maps::{count, BACKENDS6, CT6, IFADDR6, SERVICES6};
 use crate::packet::{rewrite_inner_port, TCP_ACK, TCP_SYN};
 use crate::packet6::{
     parse6, rewrite_addr6, rewrite_inner_addr6, rewrite_outer_daddr6, rewrite_port6, Flow6,
@@ -46,18 +46,6 @@ pub struct Work6 {
     /// A conntrack key being looked up or written.
     pub key: CtKey6,
     pub svc: ServiceKey6,
-}
-
-/// What `try_snat_port6` needs besides `Work6::entry` (the reply entry being claimed) and
-/// `Work6::key` (its key): on the stack, as `bpf_loop` wants its context.
-#[repr(C)]
-struct PortSearch6 {
-    now: u64,
-    start: u32,
-    ports: u32,
-    proto: u8,
-    found: u8,
-    pad: [u8; 6],
 }
 
 impl Flow6 {
@@ -291,33 +279,23 @@ fn random_pick6(svc: &mut ServiceKey6, frontend: &ServiceValue4) -> Option<(u32,
 /// inserting its reply entry: `tc::claim_snat_port` for IPv6.
 #[inline(always)]
 fn claim_snat_port6(w: &mut Work6, now: u64) -> bool {
-    let ports = CONFIG.get(0).map_or(0, |c| c.snat_port_count());
-    let Some(start) = unsafe { bpf_get_prandom_u32() }.checked_rem(ports) else { return false };
     let proto = w.parsed.flow.proto;
-    let mut search = PortSearch6 { now, start, ports, proto, found: 0, pad: [0; 6] };
+    let Some(mut search) = PortSearch::start(proto, now) else { return false };
     w.key = reply_key_of6(&w.entry, proto, [0; 4], 0);
     let callback: unsafe extern "C" fn(u64, *mut c_void) -> c_long = try_snat_port6;
-    unsafe { bpf_loop(ports, callback as *mut c_void, (&raw mut search).cast(), 0) };
+    unsafe { bpf_loop(search.ports, callback as *mut c_void, (&raw mut search).cast(), 0) };
     search.found != 0
 }
 
-/// One step of [`claim_snat_port6`]: 0 to go on, 1 to stop. The entry and key are this CPU's
-/// work area, looked up again (a map value cannot be `bpf_loop`'s context).
+/// One step of [`claim_snat_port6`]. The entry and key are this CPU's work area, looked up again
+/// (a map value cannot be `bpf_loop`'s context).
 unsafe extern "C" fn try_snat_port6(index: u64, search: *mut c_void) -> c_long {
-    let search = unsafe { &mut *search.cast::<PortSearch6>() };
-    let (Some(w), Some(config)) = (work(), CONFIG.get(0)) else { return 1 };
-    let Some(slot) = (search.start.wrapping_add(index as u32)).checked_rem(search.ports) else { return 1 };
-    let port_be = config.snat_port(slot).to_be();
+    let search = unsafe { &mut *search.cast::<PortSearch>() };
+    let (Some(w), Some(port_be)) = (work(), search.port_be(index)) else { return 1 };
     w.entry.snat_port_be = port_be;
     w.key.dport_be = port_be;
-    match claim(&CT6, &w.key, &w.entry, search.proto, search.now) {
-        Claim::Taken => {
-            search.found = 1;
-            1
-        }
-        Claim::Held => 0,
-        Claim::Failed => 1,
-    }
+    let claimed = claim(&CT6, &w.key, &w.entry, search.proto, search.now);
+    search.after(claimed)
 }
 
 #[inline(always)]
