@@ -151,8 +151,14 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let mut checkpointed: Option<desired::DesiredState> = None;
     tracing::info!("waiting for a complete view from the source before changing anything");
 
-    // UDP backends of the last computation: a connected UDP socket to one that disappears is aborted.
-    let mut udp_backends = BTreeSet::new();
+    // UDP backends of the last computation: a connected UDP socket to one that disappears is
+    // aborted. Seeded from the maps as adopted (or restored), so that a backend removed while
+    // the agent was down is noticed at its first sync too.
+    let mut udp_backends: BTreeSet<std::net::SocketAddr> = reconciler
+        .programmed_backend_addrs()
+        .filter(|b| b.proto == desired::Proto::Udp)
+        .map(|b| std::net::SocketAddr::new(b.addr, b.port))
+        .collect();
     loop {
         tokio::select! {
             changed = source.generation.changed() => if changed.is_err() { anyhow::bail!("the source stopped") },

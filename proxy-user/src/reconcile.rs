@@ -274,6 +274,11 @@ impl<M: LbMaps> Reconciler<M> {
         self.backends_by_id.len()
     }
 
+    /// The addresses of the backends the maps hold (adopted or written).
+    pub fn programmed_backend_addrs(&self) -> impl Iterator<Item = BackendAddr> + '_ {
+        self.backends_by_id.values().filter_map(decode_backend)
+    }
+
     /// The reverse-NAT id of a frontend, if it has one.
     #[cfg(test)]
     pub fn rev_nat_id(&self, frontend: &Frontend) -> Option<RevNatId> {

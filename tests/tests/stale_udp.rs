@@ -57,3 +57,33 @@ fn a_connected_udp_client_moves_to_a_live_backend_when_its_backend_is_removed() 
     assert_eq!(result["reconnects"].as_u64(), Some(1), "exactly one abort, of the stale socket: {result}");
     assert!(env.agent.log_text().contains("aborted connected UDP sockets of removed backends"));
 }
+
+#[test]
+fn a_connected_udp_socket_to_a_backend_removed_while_the_agent_was_down_is_aborted_when_it_returns() {
+    let mut env = Env::new();
+    env.dir.write_manifest(&manifest(&["10.244.1.11"])).expect("only be1");
+    wait_backends(&env, 1);
+    let client = env
+        .topo
+        .command_in("client", &e2e::bin("epx-probe"))
+        .expect("client command")
+        .args(["udp-connected", "--to", &format!("{VIP}:53"), "--interval-ms", "20", "--duration-ms", "5000"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the connected UDP client");
+    std::thread::sleep(Duration::from_millis(1000));
+    // be1 goes while nobody watches: the restarted agent must still abort the socket to it.
+    env.agent.kill().expect("kill");
+    env.dir.write_manifest(&manifest(&["10.244.1.12"])).expect("only be2");
+    env.agent.restart().expect("restart");
+    wait_backends(&env, 1);
+    let output = client.wait_with_output().expect("client result");
+
+    let result: serde_json::Value = serde_json::from_slice(&output.stdout).expect("client JSON");
+    let answers: Vec<&str> = result["answers"].as_array().expect("answers").iter().filter_map(|a| a.as_str()).collect();
+    assert!(answers.len() > 100, "the client did not really run: {result}");
+    let switched = answers.iter().position(|a| *a == "be2").expect("the client must reach be2 after the restart");
+    assert!(answers[switched..].iter().all(|a| *a == "be2"), "back on the removed backend: {answers:?}");
+    assert!(answers.len() - switched > 40, "the switch took too long: {answers:?}");
+    assert_eq!(result["reconnects"].as_u64(), Some(1), "exactly one abort, of the stale socket: {result}");
+}
