@@ -369,7 +369,6 @@ fn restore_checkpoint<M: crate::lbmap::LbMaps>(state_dir: &std::path::Path, reco
 /// lifetime. A second agent (e.g. a rolling update that overlaps) waits here, before touching
 /// the datapath, until the first one exits; the kernel releases the lock even on SIGKILL.
 async fn take_writer_lock(state_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
-    use std::os::fd::AsRawFd;
     std::fs::create_dir_all(state_dir).with_context(|| format!("creating --state-dir {}", state_dir.display()))?;
     let path = state_dir.join("agent.lock");
     let file = std::fs::OpenOptions::new()
@@ -378,16 +377,15 @@ async fn take_writer_lock(state_dir: &std::path::Path) -> anyhow::Result<std::fs
         .write(true)
         .open(&path)
         .with_context(|| format!("opening {}", path.display()))?;
-    // SAFETY: flock(2) on a file descriptor we own.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(file);
+    // flock(2) underneath: released by the kernel when the holder dies, even on SIGKILL.
+    match file.try_lock() {
+        Ok(()) => return Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => {}
+        Err(std::fs::TryLockError::Error(error)) => return Err(error).with_context(|| format!("locking {}", path.display())),
     }
     tracing::warn!(lock = %path.display(), "another agent is writing this node's datapath; waiting for it to exit");
     tokio::task::spawn_blocking(move || {
-        // SAFETY: as above; blocks until the other holder's descriptor is closed.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(std::io::Error::last_os_error()).context("waiting for the agent lock");
-        }
+        file.lock().context("waiting for the agent lock")?;
         tracing::info!("took over the agent lock");
         Ok(file)
     })

@@ -169,14 +169,13 @@ fn default_node_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default()
 }
 
+/// A duration as humantime reads it (`200ms`, `10s`, `1m 30s`); a bare number is seconds, as
+/// the flags always took it.
 fn parse_duration(text: &str) -> Result<Duration, String> {
-    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
-    let number: u64 = number.parse().map_err(|_| format!("invalid duration {text:?}"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(number)),
-        "s" | "" => Ok(Duration::from_secs(number)),
-        _ => Err(format!("invalid duration unit in {text:?} (use ms or s)")),
+    if let Ok(seconds) = text.parse::<u64>() {
+        return Ok(Duration::from_secs(seconds));
     }
+    humantime::parse_duration(text).map_err(|error| format!("invalid duration {text:?}: {error}"))
 }
 
 /// The cgroup v2 mount point, from /proc/mounts (`/sys/fs/cgroup` or, on hybrid hosts,
@@ -231,6 +230,23 @@ fn main() -> anyhow::Result<()> {
             }
             println!("{} pinned objects removed; Service translation is off (socket and packet level)", removed.len());
             Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_as_humantime_and_bare_numbers_as_seconds() {
+        assert_eq!(parse_duration("200ms"), Ok(Duration::from_millis(200)));
+        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("1m 30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("60"), Ok(Duration::from_secs(60)));
+        for bad in ["", "ten", "5 parsecs", "-1s"] {
+            let error = parse_duration(bad).unwrap_err();
+            assert!(error.contains(&format!("{bad:?}")), "{error}");
         }
     }
 }
