@@ -131,7 +131,8 @@ fn in_window(seq_next: u32, seq: u32) -> bool {
 /// SYN-ACK retransmissions do.
 #[inline(always)]
 pub fn observe(state: &mut CtState, packet: &Packet, from_backend: bool, now: u64) -> bool {
-    let stale = now.wrapping_sub(state.last_seen_ns) >= ct::REFRESH_NS;
+    // Saturating, as `ct::is_expired`: another CPU may have stamped the entry after `now`.
+    let stale = now.saturating_sub(state.last_seen_ns) >= ct::REFRESH_NS;
     if packet.proto != IPPROTO_TCP {
         if stale {
             state.last_seen_ns = now;

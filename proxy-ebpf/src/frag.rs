@@ -47,7 +47,7 @@ pub fn later(ctx: &TcContext, fragment: &LaterFragment, ingress: bool) -> i32 {
         proto: fragment.proto,
         pad: 0,
     };
-    let value = FRAG4.get_ptr(&key).map(|v| unsafe { *v }).filter(|v| now_ns().wrapping_sub(v.created_ns) <= ct::FRAGMENT_TIMEOUT_NS);
+    let value = FRAG4.get_ptr(&key).map(|v| unsafe { *v }).filter(|v| now_ns().saturating_sub(v.created_ns) <= ct::FRAGMENT_TIMEOUT_NS);
     let Some(value) = value else {
         if ingress {
             count(stat::TC_FRAGMENT);
@@ -99,7 +99,7 @@ pub fn remember6(flow: &Flow6, saddr: &[u32; 4], daddr: &[u32; 4], redirect: boo
 #[inline(never)]
 pub fn later6(ctx: &TcContext, flow: &Flow6, ingress: bool) -> i32 {
     let key = FragKey6 { saddr: flow.saddr, daddr: flow.daddr, id_be: flow.frag_id_be, proto: flow.proto, pad: [0; 3] };
-    let value = FRAG6.get_ptr(&key).filter(|v| now_ns().wrapping_sub(unsafe { (**v).created_ns }) <= ct::FRAGMENT_TIMEOUT_NS);
+    let value = FRAG6.get_ptr(&key).filter(|v| now_ns().saturating_sub(unsafe { (**v).created_ns }) <= ct::FRAGMENT_TIMEOUT_NS);
     let Some(value) = value else {
         if ingress {
             count(stat::TC_FRAGMENT);

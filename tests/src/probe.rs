@@ -61,10 +61,11 @@ impl Load {
 
 /// Runs `epx-probe load` with `command` (placed where the caller needs it): `clients` clients,
 /// each making `count` `kind` (`tcp` or `udp`) requests to `to` at `rate` per second (0: as fast
-/// as it goes).
+/// as it goes). A request fails after 3 s without an answer: one lost SYN (retransmitted after
+/// 1 s) is a delay, as for any real client; datapath drops are caught by its counters instead.
 pub fn load(mut command: std::process::Command, kind: &str, to: &str, clients: u32, count: u32, rate: u32) -> anyhow::Result<Load> {
     let output = command
-        .args(["load", "--kind", kind, "--to", to])
+        .args(["load", "--kind", kind, "--to", to, "--timeout-ms", "3000"])
         .args(["--clients", &clients.to_string(), "--count", &count.to_string(), "--rate", &rate.to_string()])
         .stderr(Stdio::inherit())
         .output()

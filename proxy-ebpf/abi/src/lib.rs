@@ -448,8 +448,13 @@ pub mod ct {
 
     /// Whether a flow in `state` is gone at `now_ns` (CLOCK_MONOTONIC, as `bpf_ktime_get_ns`).
     /// The agent's garbage collection and the kernel's port search use the same rule.
+    ///
+    /// Saturating: a packet reads the clock when it arrives, and another CPU may refresh the
+    /// entry with a later time before this one looks at it. A wrapping difference would make
+    /// that live entry look 584 years old: its SNAT port handed to another flow, its next
+    /// packet treated as a new flow (seen under a SYN flood as a reset long-lived connection).
     pub const fn is_expired(state: &super::CtState, proto: u8, now_ns: u64) -> bool {
-        now_ns.wrapping_sub(state.last_seen_ns) > timeout_ns(proto, state.tcp_seen) + REFRESH_NS
+        now_ns.saturating_sub(state.last_seen_ns) > timeout_ns(proto, state.tcp_seen) + REFRESH_NS
     }
 }
 
@@ -762,4 +767,36 @@ mod pod {
     unsafe impl aya::Pod for FragValue4 {}
     unsafe impl aya::Pod for FragKey6 {}
     unsafe impl aya::Pod for FragValue6 {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(last_seen_ns: u64, tcp_seen: u8) -> CtState {
+        CtState { last_seen_ns, seq_next: 0, tcp_seen, pad: [0; 3] }
+    }
+
+    #[test]
+    fn an_entry_stamped_after_the_packet_read_the_clock_is_live() {
+        // Another CPU refreshed it 5 µs after this packet's `now`.
+        let now = 1_000_000_000_000;
+        assert!(!ct::is_expired(&state(now + 5_000, ct::TCP_SYN | ct::TCP_ESTABLISHED), IPPROTO_TCP, now));
+        assert!(!ct::is_expired(&state(now + 5_000, ct::TCP_SYN), IPPROTO_TCP, now));
+    }
+
+    #[test]
+    fn timeouts_follow_what_the_flow_has_shown() {
+        let s = 1_000_000_000u64;
+        let t0 = 100_000 * s;
+        let expired_after = |tcp_seen: u8, proto: u8, secs: u64| ct::is_expired(&state(t0, tcp_seen), proto, t0 + secs * s);
+        let established = ct::TCP_SYN | ct::TCP_ESTABLISHED;
+        assert!(!expired_after(ct::TCP_SYN, IPPROTO_TCP, 30) && expired_after(ct::TCP_SYN, IPPROTO_TCP, 32));
+        assert!(!expired_after(established, IPPROTO_TCP, 21_600) && expired_after(established, IPPROTO_TCP, 21_602));
+        assert!(expired_after(established | ct::TCP_FIN, IPPROTO_TCP, 12));
+        let time_wait = established | ct::TCP_FIN | ct::TCP_BACKEND_CLOSED_FIRST;
+        assert!(!expired_after(time_wait, IPPROTO_TCP, 60) && expired_after(time_wait, IPPROTO_TCP, 67));
+        assert!(expired_after(time_wait | ct::TCP_RST, IPPROTO_TCP, 12), "a RST leaves no TIME_WAIT");
+        assert!(!expired_after(0, IPPROTO_UDP, 60) && expired_after(0, IPPROTO_UDP, 62));
+    }
 }
