@@ -387,3 +387,24 @@ fn an_external_ipv6_udp_flow_leaves_a_backend_its_service_dropped_while_another_
         "only6 keeps both backends: {only6:#?}"
     );
 }
+
+#[test]
+fn an_ipv4_only_nodeport_addresses_flag_keeps_the_node_ports_of_every_ipv6_address() {
+    // kube-proxy filters per family: a family without a CIDR in the flag keeps all its addresses.
+    let mut client = None;
+    let env = Env::with(|topo| {
+        let ext = topo.add_external_client("ext").expect("external client");
+        topo.enable_external_ipv6(&ext).expect("IPv6 on the client's link");
+        let args = vec![format!("--interfaces={}", ext.node_interface), "--nodeport-addresses=192.168.240.0/24".to_owned()];
+        client = Some(ext);
+        args
+    });
+    let client = client.expect("client");
+    env.agent.wait_for_external_frontend(EXT_NODE_IP6, NODE_PORT);
+    assert_eq!(env.entries("192.168.240.1", NODE_PORT, "TCP").len(), 2, "inside the flag's IPv4 CIDR");
+    assert!(env.entries("10.244.1.1", NODE_PORT, "TCP").is_empty(), "outside the flag's IPv4 CIDR: no NodePort");
+    assert_eq!(env.entries(NODE_IP6, NODE_PORT, "TCP").len(), 2, "every IPv6 address keeps its NodePort");
+    let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
+    let summary = probe::client_with(command, "tcp", &format!("[{EXT_NODE_IP6}]:{NODE_PORT}"), 20).expect("probe");
+    assert_spread(&summary, 20);
+}
