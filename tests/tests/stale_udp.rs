@@ -20,20 +20,32 @@ fn wait_backends(env: &Env, count: usize) {
     panic!("web did not get {count} backends\n{}", env.agent.log_text());
 }
 
+/// `epx-probe udp-connected` in the client pod against the UDP ClusterIP for `duration_ms`.
+fn connected_client(env: &Env, duration_ms: u32) -> std::process::Child {
+    env.topo
+        .command_in("client", &e2e::bin("epx-probe"))
+        .expect("client command")
+        .args(["udp-connected", "--to", &format!("{VIP}:53"), "--interval-ms", "20", "--duration-ms", &duration_ms.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the connected UDP client")
+}
+
+/// What the connected client reported: its JSON, and the answers in order.
+fn client_result(client: std::process::Child) -> (serde_json::Value, Vec<String>) {
+    let output = client.wait_with_output().expect("client result");
+    let result: serde_json::Value = serde_json::from_slice(&output.stdout).expect("client JSON");
+    let answers = result["answers"].as_array().expect("answers").iter().filter_map(|a| a.as_str().map(str::to_owned)).collect();
+    (result, answers)
+}
+
 #[test]
 fn a_connected_udp_client_moves_to_a_live_backend_when_its_backend_is_removed() {
     let env = Env::new();
     // Only be1 at first, so the client's socket is connected to be1.
     env.dir.write_manifest(&manifest(&["10.244.1.11"])).expect("only be1");
     wait_backends(&env, 1);
-    let client = env
-        .topo
-        .command_in("client", &e2e::bin("epx-probe"))
-        .expect("client command")
-        .args(["udp-connected", "--to", &format!("{VIP}:53"), "--interval-ms", "20", "--duration-ms", "4000"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("start the connected UDP client");
+    let client = connected_client(&env, 4000);
 
     // A new backend does not disturb the socket.
     std::thread::sleep(Duration::from_millis(1000));
@@ -43,10 +55,7 @@ fn a_connected_udp_client_moves_to_a_live_backend_when_its_backend_is_removed() 
     // it, which is exactly what must not happen.
     std::thread::sleep(Duration::from_millis(1000));
     env.dir.write_manifest(&manifest(&["10.244.1.12"])).expect("remove be1");
-    let output = client.wait_with_output().expect("client result");
-
-    let result: serde_json::Value = serde_json::from_slice(&output.stdout).expect("client JSON");
-    let answers: Vec<&str> = result["answers"].as_array().expect("answers").iter().filter_map(|a| a.as_str()).collect();
+    let (result, answers) = client_result(client);
     eprintln!("errors {} reconnects {}", result["errors"], result["reconnects"]);
     assert!(answers.len() > 100, "the client did not really run: {result}");
     let switched = answers.iter().position(|a| *a == "be2").expect("the client must reach be2 after be1 is removed");
@@ -63,24 +72,14 @@ fn a_connected_udp_socket_to_a_backend_removed_while_the_agent_was_down_is_abort
     let mut env = Env::new();
     env.dir.write_manifest(&manifest(&["10.244.1.11"])).expect("only be1");
     wait_backends(&env, 1);
-    let client = env
-        .topo
-        .command_in("client", &e2e::bin("epx-probe"))
-        .expect("client command")
-        .args(["udp-connected", "--to", &format!("{VIP}:53"), "--interval-ms", "20", "--duration-ms", "5000"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("start the connected UDP client");
+    let client = connected_client(&env, 5000);
     std::thread::sleep(Duration::from_millis(1000));
     // be1 goes while nobody watches: the restarted agent must still abort the socket to it.
     env.agent.kill().expect("kill");
     env.dir.write_manifest(&manifest(&["10.244.1.12"])).expect("only be2");
     env.agent.restart().expect("restart");
     wait_backends(&env, 1);
-    let output = client.wait_with_output().expect("client result");
-
-    let result: serde_json::Value = serde_json::from_slice(&output.stdout).expect("client JSON");
-    let answers: Vec<&str> = result["answers"].as_array().expect("answers").iter().filter_map(|a| a.as_str()).collect();
+    let (result, answers) = client_result(client);
     assert!(answers.len() > 100, "the client did not really run: {result}");
     let switched = answers.iter().position(|a| *a == "be2").expect("the client must reach be2 after the restart");
     assert!(answers[switched..].iter().all(|a| *a == "be2"), "back on the removed backend: {answers:?}");
