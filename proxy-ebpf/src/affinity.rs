@@ -8,9 +8,11 @@ use crate::maps::{count, AFFINITY4, BACKENDS4, BACKENDS6};
 
 /// The client's affinity entry for a frontend, when the frontend has affinity on.
 #[inline(always)]
-pub fn key(frontend: &ServiceValue4, client: u64, kind: u8) -> Option<AffinityKey4> {
-    (frontend.flags & svc_flags::AFFINITY != 0).then_some(AffinityKey4 {
-        client,
+pub fn key(frontend: &ServiceValue4, client: impl FnOnce() -> u64, kind: u8) -> Option<AffinityKey4> {
+    // `client` runs only for a frontend with affinity (a helper call saved on every other
+    // connection).
+    (frontend.flags & svc_flags::AFFINITY != 0).then(|| AffinityKey4 {
+        client: client(),
         rev_nat_id: frontend.rev_nat_id,
         kind,
         pad: [0; 5],

@@ -137,7 +137,7 @@ fn try_forward6(ctx: &SockAddrContext, sa: *mut bpf_sock_addr) -> Result<(), Ref
     if frontend.count == 0 {
         return Err(Refusal::NoBackend);
     }
-    let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let client = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let affinity_key = affinity::key(&frontend, client, proxy_abi::affinity::CLIENT_NETNS);
     let (backend_id, backend) = match affinity_key.as_ref().and_then(|k| affinity::remembered6(k, &frontend)) {
         Some(chosen) => chosen,
@@ -248,7 +248,7 @@ fn translate4(ctx: &SockAddrContext, addr_be: u32, port_be: u16, proto: u8) -> R
 
     // sessionAffinity: ClientIP. From a socket the client is its network namespace (a pod, or
     // the node), as Cilium's socket LB does: the source address is not chosen yet at connect().
-    let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let client = || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let affinity_key = affinity::key(&frontend, client, proxy_abi::affinity::CLIENT_NETNS);
     let (backend_id, backend) = match affinity_key.as_ref().and_then(|k| affinity::remembered(k, &frontend)) {
         Some(chosen) => chosen,

@@ -124,7 +124,7 @@ fn ingress(ctx: &TcContext) -> i32 {
             return reject::no_backend_verdict(reject::port_unreachable(ctx, &flow));
         }
         // sessionAffinity: ClientIP, by the client's source address.
-        let affinity_key = affinity::key(&frontend, u64::from(flow.saddr_be), proxy_abi::affinity::CLIENT_IP4);
+        let affinity_key = affinity::key(&frontend, || u64::from(flow.saddr_be), proxy_abi::affinity::CLIENT_IP4);
         let (backend_id, backend) = match affinity_key.as_ref().and_then(|k| affinity::remembered(k, &frontend)) {
             Some(chosen) => chosen,
             None => match maglev_pick(

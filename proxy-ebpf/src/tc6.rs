@@ -187,7 +187,7 @@ fn tracked6(w: &mut Work6, now: u64) -> bool {
 #[inline(never)]
 fn new_flow6(ctx: &TcContext, w: &mut Work6, frontend: &ServiceValue4, now: u64) -> bool {
     let flow = &w.parsed.flow;
-    let affinity_key = affinity::key(frontend, folded(&flow.saddr), proxy_abi::affinity::CLIENT_IP6);
+    let affinity_key = affinity::key(frontend, || folded(&flow.saddr), proxy_abi::affinity::CLIENT_IP6);
     let chosen = match affinity_key.as_ref().and_then(|k| affinity::remembered6(k, frontend)) {
         Some(chosen) => Some(chosen),
         None => match crate::tc::maglev_pick(

@@ -107,10 +107,15 @@ pub struct AgentArgs {
     /// How often a file source is checked for changes.
     #[arg(long, default_value = "200ms", value_parser = parse_duration)]
     pub poll_interval: Duration,
-    /// Capacity of the service map (frontends × (1 + backends)).
+    /// Capacity of the service map: one entry per frontend (Service IP × port × scope) and one
+    /// per backend slot, frontends × (1 + backends). The default holds about 6 000 Services
+    /// with 10 endpoints; 30 000 single-port Services with 10 endpoints need 330 000 entries,
+    /// e.g. `--map-size-services 524288` (the kernel reserves a hash map's memory when it is
+    /// created, so the default stays small).
     #[arg(long, default_value_t = proxy_abi::capacity::SERVICES4)]
     pub map_size_services: u32,
-    /// Capacity of the backend map.
+    /// Capacity of the backend map: one entry per distinct endpoint address and port, however
+    /// many Services share it.
     #[arg(long, default_value_t = proxy_abi::capacity::BACKENDS4)]
     pub map_size_backends: u32,
     /// Capacity of the reverse-NAT map (one entry per frontend).

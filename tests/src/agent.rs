@@ -107,6 +107,18 @@ impl Agent {
         Self::start_in(topology, dir, source, Vec::new(), Some(topology.node.path()))
     }
 
+    /// As [`Agent::start_kube_in_node`], with extra command-line arguments.
+    pub fn start_kube_in_node_with(topology: &Topology, dir: &AgentDir, kubeconfig: &Path, extra_args: &[&str]) -> anyhow::Result<Self> {
+        let source = vec!["--source=kube".into(), format!("--kubeconfig={}", kubeconfig.display())];
+        let extra = extra_args.iter().map(ToString::to_string).collect();
+        Self::start_in(topology, dir, source, extra, Some(topology.node.path()))
+    }
+
+    /// The agent process's id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     fn start_with_source(
         topology: &Topology,
         dir: &AgentDir,

@@ -217,14 +217,24 @@ impl ControlPlane {
         Ok((forwarder, path))
     }
 
+    /// A way in for processes inside another network namespace `netns` (e.g. a second node's):
+    /// a forwarder listening on that namespace's loopback, and an admin kubeconfig
+    /// `<dir>/<name>.kubeconfig` that names it (the serving certificate holds 127.0.0.1).
+    pub fn access_from(&self, netns: &Path, name: &str) -> anyhow::Result<(Forwarder, PathBuf)> {
+        let forwarder = Forwarder::start_in(netns, &self.node_netns, SocketAddr::from((APISERVER_IP, APISERVER_PORT)))?;
+        let path = self.admin_kubeconfig_for(name, &format!("https://{}", forwarder.addr()))?;
+        Ok((forwarder, path))
+    }
+
     /// An admin kubeconfig `<dir>/<name>.kubeconfig` that names the API server's own address
     /// (10.244.1.250), for clients inside the topology's node namespace (no forwarder between).
     pub fn direct_kubeconfig(&self, name: &str) -> anyhow::Result<PathBuf> {
         self.admin_kubeconfig_for(name, &format!("https://{APISERVER_IP}:{APISERVER_PORT}"))
     }
 
-    /// The admin kubeconfig with another server URL, as `<dir>/<name>.kubeconfig`.
-    fn admin_kubeconfig_for(&self, name: &str, url: &str) -> anyhow::Result<PathBuf> {
+    /// The admin kubeconfig with another server URL, as `<dir>/<name>.kubeconfig` (e.g. for a
+    /// [`Forwarder::start_in`] that listens inside a node namespace).
+    pub fn admin_kubeconfig_for(&self, name: &str, url: &str) -> anyhow::Result<PathBuf> {
         let admin = fs::read_to_string(&self.admin_kubeconfig)?;
         anyhow::ensure!(admin.contains(&self.url), "admin kubeconfig does not name {}", self.url);
         let path = self.dir.join(format!("{name}.kubeconfig"));

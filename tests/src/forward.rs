@@ -22,7 +22,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -88,6 +88,8 @@ impl Shared {
 /// from inside another network namespace. Stops (closing every connection) on drop.
 pub struct Forwarder {
     addr: SocketAddr,
+    /// The namespace the listener is in (`None`: the host's).
+    listen_netns: Option<PathBuf>,
     target: SocketAddr,
     shared: Arc<Shared>,
     acceptor: Option<JoinHandle<()>>,
@@ -98,8 +100,21 @@ impl Forwarder {
     /// Listens on a free port of 127.0.0.1 and forwards to `target`, connecting from inside the
     /// network namespace whose file is `netns` (e.g. `/run/netns/NAME`).
     pub fn start(netns: &Path, target: SocketAddr) -> anyhow::Result<Self> {
-        let netns_file = File::open(netns).with_context(|| format!("opening network namespace {}", netns.display()))?;
         let listener = TcpListener::bind("127.0.0.1:0").context("binding the forwarder on 127.0.0.1")?;
+        Self::start_on(listener, None, netns, target)
+    }
+
+    /// As [`Forwarder::start`], but listening on the loopback of the network namespace
+    /// `listen_netns` (e.g. a node namespace whose processes reach the API server this way).
+    pub fn start_in(listen_netns: &Path, netns: &Path, target: SocketAddr) -> anyhow::Result<Self> {
+        let listener = crate::topology::in_netns(listen_netns, || TcpListener::bind("127.0.0.1:0"))
+            .and_then(|bound| bound)
+            .with_context(|| format!("binding a forwarder on 127.0.0.1 in {}", listen_netns.display()))?;
+        Self::start_on(listener, Some(listen_netns.to_owned()), netns, target)
+    }
+
+    fn start_on(listener: TcpListener, listen_netns: Option<PathBuf>, netns: &Path, target: SocketAddr) -> anyhow::Result<Self> {
+        let netns_file = File::open(netns).with_context(|| format!("opening network namespace {}", netns.display()))?;
         let addr = listener.local_addr().context("forwarder address")?;
         let shared = Arc::new(Shared { state: Mutex::new(State::default()), changed: Condvar::new() });
 
@@ -119,7 +134,7 @@ impl Forwarder {
             .name(format!("fwd-accept-{}", addr.port()))
             .spawn(move || acceptor(listener, acceptor_shared, requests))
             .context("spawning the forwarder's accept thread")?;
-        Ok(Self { addr, target, shared, acceptor: Some(acceptor), connector: Some(connector) })
+        Ok(Self { addr, listen_netns, target, shared, acceptor: Some(acceptor), connector: Some(connector) })
     }
 
     /// The listening address on the host's loopback.
@@ -159,7 +174,11 @@ impl Drop for Forwarder {
         }
         self.shared.changed.notify_all();
         // Wake the blocking accept(); the acceptor sees `shutdown` and returns.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        let wake = || TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        let _ = match &self.listen_netns {
+            None => wake(),
+            Some(netns) => crate::topology::in_netns(netns, wake).and_then(|woken| woken),
+        };
         if let Some(acceptor) = self.acceptor.take() {
             let _ = acceptor.join();
         }

@@ -9,6 +9,7 @@
 //! - [`scenario`]: a client, two backends behind a Service, and the agent, ready to use.
 //! - [`control_plane`]: real etcd + kube-apiserver (from `cargo xtask peers`, `$EPX_PEERS_DIR`)
 //!   in a pod of a topology, reachable from the host's loopback, with blocking apply/delete.
+//! - [`kube_proxy`]: the real upstream kube-proxy (iptables or nftables mode) in a node namespace.
 //! - [`forward`]: a TCP forwarder from the host's loopback into a namespace, which can black-hole.
 //! - [`packet`]: hand-built Ethernet/IPv4/TCP/UDP frames and a checksum-verifying reader.
 //! - [`bpf_test_run`]: the built TC programs run on such frames with `BPF_PROG_TEST_RUN`.
@@ -23,6 +24,7 @@ pub mod bpf_test_run;
 pub mod control_plane;
 pub mod flood;
 pub mod forward;
+pub mod kube_proxy;
 pub mod probe;
 pub mod kube_scenario;
 pub mod packet;

@@ -77,6 +77,45 @@ pub fn load(mut command: std::process::Command, kind: &str, to: &str, clients: u
     serde_json::from_str(text.trim()).with_context(|| format!("parsing load output {text:?}"))
 }
 
+/// What `epx-probe rate` saw in its window: how many operations (short connections, or
+/// request/response exchanges on one long-lived connection) completed, how fast, and their
+/// latency percentiles. `failed` operations are counted, never retried.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Rate {
+    /// `connect` (connect, read the answer, close) or `rr` (one connection, paced requests).
+    pub mode: String,
+    pub clients: u32,
+    pub ok: u64,
+    pub failed: u64,
+    pub errors: BTreeMap<String, u64>,
+    pub elapsed_ms: u64,
+    /// Completed operations per second over the window.
+    pub per_second: f64,
+    /// Latency in microseconds: of `connect()` (SYN to established, the first-packet latency)
+    /// in `connect` mode, of a request's answer in `rr` mode.
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub max_us: u64,
+}
+
+/// Runs `epx-probe rate` with `command` (placed where the caller needs it) against `to` for
+/// `window`: `clients` threads of short connections, or (`rr_rate` given) one long-lived
+/// connection with that many requests per second.
+pub fn rate(mut command: std::process::Command, to: &str, clients: u32, window: std::time::Duration, rr_rate: Option<u32>) -> anyhow::Result<Rate> {
+    command
+        .args(["rate", "--to", to, "--clients", &clients.to_string()])
+        .args(["--duration-ms", &window.as_millis().to_string()]);
+    if let Some(rr) = rr_rate {
+        command.args(["--rr-rate", &rr.to_string()]);
+    }
+    let output = command.stderr(Stdio::inherit()).output().context("running epx-probe rate")?;
+    if !output.status.success() {
+        bail!("epx-probe rate exited with {}", output.status);
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    serde_json::from_str(text.trim()).with_context(|| format!("parsing rate output {text:?}"))
+}
+
 /// What `epx-probe steady` saw: short TCP connections, UDP requests, and long-lived streams
 /// (a stream counts as failed if it broke at any point).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -178,9 +217,15 @@ pub fn serve_with_peer(
     udp: &[u16],
     tcp_peer: &[u16],
 ) -> anyhow::Result<Server> {
+    serve_ports(topology, pod, name, &[("--tcp", tcp), ("--udp", udp), ("--tcp-peer", tcp_peer)])
+}
+
+/// Starts `epx-probe serve` in `pod` with the given port flags (`--tcp`, `--udp`, `--tcp-peer`,
+/// `--http`) and waits until it listens.
+pub fn serve_ports(topology: &Topology, pod: &str, name: &str, ports: &[(&str, &[u16])]) -> anyhow::Result<Server> {
     let mut cmd = topology.command_in(pod, &crate::bin("epx-probe"))?;
     cmd.args(["serve", "--name", name]);
-    for (flag, ports) in [("--tcp", tcp), ("--udp", udp), ("--tcp-peer", tcp_peer)] {
+    for &(flag, ports) in ports {
         for port in ports {
             cmd.args([flag, &port.to_string()]);
         }

@@ -217,6 +217,30 @@ impl Topology {
         Ok(self.pods.last().expect("just pushed"))
     }
 
+    /// Adds a second pod subnet on the node: bridge `bridge` with `prefix`.1/24 (e.g. `10.244.3`),
+    /// routed to and from br0's pods through the node (not bridged with them).
+    pub fn add_subnet(&self, bridge: &str, prefix: &str) -> anyhow::Result<()> {
+        self.node.exec(&["ip", "link", "add", bridge, "type", "bridge"])?;
+        self.node.exec(&["ip", "addr", "add", &format!("{prefix}.1/24"), "dev", bridge])?;
+        self.node.exec(&["ip", "link", "set", bridge, "up"])?;
+        self.node.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]).map(|_| ())
+    }
+
+    /// Adds a pod named `name` at `prefix`.`host` on a subnet made by [`Topology::add_subnet`]
+    /// (IPv4 only).
+    pub fn add_pod_on(&mut self, name: &str, bridge: &str, prefix: &str, host: u8) -> anyhow::Result<&Pod> {
+        let netns = Netns::create(&format!("{}-{}-{name}", crate::PREFIX, self.id))?;
+        let ip = format!("{prefix}.{host}");
+        let host_side = format!("{bridge}v{host}");
+        self.node.exec(&["ip", "link", "add", &host_side, "type", "veth", "peer", "name", "eth0", "netns", &netns.name])?;
+        self.node.exec(&["ip", "link", "set", &host_side, "master", bridge, "up"])?;
+        netns.exec(&["ip", "addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+        netns.exec(&["ip", "link", "set", "eth0", "up"])?;
+        netns.exec(&["ip", "route", "add", "default", "via", &format!("{prefix}.1")])?;
+        self.pods.push(Pod { name: name.to_owned(), ip, ip6: None, netns });
+        Ok(self.pods.last().expect("just pushed"))
+    }
+
     pub fn pod(&self, name: &str) -> &Pod {
         self.pods.iter().find(|p| p.name == name).unwrap_or_else(|| panic!("no pod {name}"))
     }

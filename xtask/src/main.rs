@@ -3,6 +3,7 @@
 //! The kernel crate is built here and only here (Debian's rustc-web with build-std=core for
 //! bpfel-unknown-none); the userspace binary embeds the object it produced.
 
+mod bench;
 mod cluster;
 mod demo;
 mod peers;
@@ -53,6 +54,30 @@ enum Task {
         /// Extra arguments for the test binaries (e.g. a test name filter).
         #[arg(last = true)]
         args: Vec<String>,
+    },
+    /// Benchmark ebpf-proxy against the real kube-proxy (iptables and nftables modes) and no
+    /// proxy, each in a node namespace of the same shape, all reading one kube-apiserver; writes
+    /// a report with plots and raw results (default: docs/benchmarks).
+    Bench {
+        /// N = 1 and 100, 1 s windows, one round: checks that every figure and plot is produced
+        /// (CI runs this; its figures are not meant to be read). Writes to target/bench-quick.
+        #[arg(long)]
+        quick: bool,
+        /// Stop at this many Services (the full run goes 1, 1000, 10000, 30000).
+        #[arg(long, default_value_t = 30_000)]
+        max_services: usize,
+        /// Seconds per data-path window (default 5; 1 with --quick).
+        #[arg(long)]
+        window: Option<u64>,
+        /// Windows per figure, the contenders taking turns (default 3; 1 with --quick).
+        #[arg(long)]
+        rounds: Option<u32>,
+        /// Where the report goes.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Only redraw the report and plots in this directory from its results.json.
+        #[arg(long, value_name = "DIR")]
+        redraw: Option<PathBuf>,
     },
     /// A local control plane (etcd + kube-apiserver) in a network namespace, with a kubeconfig.
     Cluster {
@@ -160,6 +185,20 @@ fn test(args: &[String]) -> anyhow::Result<()> {
         }
     }
     let status = child.wait()?;
+    // The benchmark's quick mode: every figure and plot of the report is produced (no number
+    // is judged here; the full run's report is docs/benchmarks).
+    step("running the benchmark in quick mode (cargo xtask bench --quick)");
+    let bench_ok = match bench_quick(&peers) {
+        Ok(()) => {
+            passed += 1;
+            true
+        }
+        Err(e) => {
+            println!("\nthe quick benchmark failed: {e:#}");
+            failed += 1;
+            false
+        }
+    };
     // Final section: the end-to-end tests that need no API server again, on the second kernel
     // (Debian 12's 6.1: no tcx, so the packet programs take the clsact path), in a VM.
     step(&format!("running the end-to-end tests on kernel {} in a VM", vm::DEFAULT_KERNEL));
@@ -186,6 +225,9 @@ fn test(args: &[String]) -> anyhow::Result<()> {
     if !status.success() {
         bail!("cargo test failed with {status}");
     }
+    if !bench_ok {
+        bail!("the quick benchmark failed");
+    }
     if !vm_ok {
         bail!("the end-to-end tests on kernel {} failed", vm::DEFAULT_KERNEL);
     }
@@ -193,6 +235,32 @@ fn test(args: &[String]) -> anyhow::Result<()> {
         bail!("no test ran");
     }
     Ok(())
+}
+
+fn bench_options(quick: bool, max_services: usize, out: Option<PathBuf>) -> bench::Options {
+    let default_out = if quick { "target/bench-quick" } else { "docs/benchmarks" };
+    let mut command = String::from("cargo xtask bench");
+    if quick {
+        command.push_str(" --quick");
+    }
+    if max_services != 30_000 {
+        command.push_str(&format!(" --max-services {max_services}"));
+    }
+    bench::Options {
+        quick,
+        max_services,
+        out: out.unwrap_or_else(|| workspace_root().join(default_out)),
+        window: None,
+        rounds: None,
+        command,
+    }
+}
+
+fn bench_quick(peers: &Path) -> anyhow::Result<()> {
+    // SAFETY: no other thread reads the environment while the test command runs this.
+    unsafe { std::env::set_var("EPX_PEERS_DIR", peers) };
+    setup::sweep_leftovers();
+    bench::run(&bench_options(true, 30_000, None))
 }
 
 /// The passed and failed counts of a libtest `test result:` line.
@@ -234,6 +302,20 @@ fn main() -> anyhow::Result<()> {
             cluster::up()
         }
         Task::Cluster { action: ClusterAction::Down } => cluster::down(),
+        Task::Bench { quick, max_services, window, rounds, out, redraw } => {
+            if let Some(dir) = redraw {
+                return bench::redraw(&dir);
+            }
+            build()?;
+            let peers = peers::run()?;
+            // SAFETY: set before any other thread exists; the harness reads it to find the peers.
+            unsafe { std::env::set_var("EPX_PEERS_DIR", &peers) };
+            setup::sweep_leftovers();
+            let mut options = bench_options(quick, max_services, out);
+            options.window = window.map(std::time::Duration::from_secs);
+            options.rounds = rounds;
+            bench::run(&options)
+        }
         Task::Peers => peers::run().map(|dir| println!("{}", dir.display())),
         Task::VmTest { kernel, timeout, tests, args } => {
             vm_test(&vm::Options { kernel, tests, args, timeout: std::time::Duration::from_secs(timeout) })

@@ -26,6 +26,11 @@ const PACKAGES: &[&str] = &[
     "util-linux",
     "openssl",
     "iptables",
+    // The benchmark: kube-proxy's nftables mode runs `nft`; `ab` cross-checks the connection
+    // rate; the report's plots are drawn with DejaVu Sans.
+    "nftables",
+    "apache2-utils",
+    "fonts-dejavu-core",
 ];
 
 /// Debian packages for `cargo xtask vm-test`: QEMU (TCG) boots the second kernel, kmod's depmod

@@ -119,7 +119,18 @@ fn watch<K>(api: Api<K>, config: watcher::Config) -> BoxStream<'static, Result<w
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
 {
-    watcher(api, config.timeout(WATCH_TIMEOUT_SECS)).default_backoff().boxed()
+    watcher(api, config.timeout(WATCH_TIMEOUT_SECS))
+        .default_backoff()
+        // managedFields and kubectl's last-applied copy are most of a small object's size and
+        // nothing the datapath needs: not kept (at 30 000 Services and slices, tens of MiB).
+        .modify(|object: &mut K| {
+            let meta = object.meta_mut();
+            meta.managed_fields = None;
+            if let Some(annotations) = meta.annotations.as_mut() {
+                annotations.remove("kubectl.kubernetes.io/last-applied-configuration");
+            }
+        })
+        .boxed()
 }
 
 struct Stores {

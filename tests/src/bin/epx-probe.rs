@@ -10,7 +10,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use e2e::probe::{Load, Steady, Summary};
+use e2e::probe::{Load, Rate, Steady, Summary};
+use hdrhistogram::Histogram;
 
 #[derive(Parser)]
 struct Cli {
@@ -31,6 +32,9 @@ enum Cmd {
         /// TCP ports that answer `NAME from CLIENT_IP` (the source address this server saw).
         #[arg(long)]
         tcp_peer: Vec<u16>,
+        /// TCP ports that answer HTTP/1 requests with NAME (for standard load tools).
+        #[arg(long)]
+        http: Vec<u16>,
     },
     /// Make COUNT TCP connections to ADDR, one after another; read the server's name from each.
     Tcp(ClientArgs),
@@ -70,6 +74,30 @@ enum Cmd {
         /// Failures are counted per this many requests of each client.
         #[arg(long, default_value_t = 500)]
         block: u32,
+    },
+    /// Benchmark traffic for DURATION: CLIENTS threads making short TCP connections (connect,
+    /// read the server's name, close) as fast as they go, timing each connect(); or, with
+    /// RR_RATE, one long-lived connection per client exchanging RR_RATE requests per second,
+    /// timing each answer. Prints a `Rate` summary (rate, p50/p99 latency, failures).
+    Rate {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        clients: u32,
+        #[arg(long)]
+        duration_ms: u64,
+        #[arg(long)]
+        rr_rate: Option<u32>,
+        #[arg(long, default_value_t = 3000)]
+        timeout_ms: u64,
+    },
+    /// Try a TCP connection to ADDR (connect, read the answer) every 5 ms until one is answered;
+    /// exit 0 then, 1 after LIMIT. For timing when a Service starts to answer.
+    Wait {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long)]
+        limit_ms: u64,
     },
     /// One connected UDP socket to ADDR, a request every INTERVAL for DURATION, as a client
     /// that keeps its socket (DNS resolvers, QUIC, game clients). On an error it reconnects.
@@ -171,7 +199,37 @@ fn bind_any<T>(port: u16, bind: impl Fn(SocketAddr) -> std::io::Result<T>) -> T 
         .unwrap_or_else(|e| panic!("bind port {port}: {e}"))
 }
 
-fn serve(name: String, tcp: Vec<u16>, udp: Vec<u16>, tcp_peer: Vec<u16>) -> ! {
+/// HTTP/1 on `port`: every request gets `name` as its body (hyper, on a current-thread runtime
+/// of its own thread).
+fn serve_http(name: String, port: u16) {
+    let listener = bind_any(port, TcpListener::bind);
+    listener.set_nonblocking(true).expect("non-blocking listener");
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
+            let body = bytes::Bytes::from(format!("{name}\n"));
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |_request| {
+                        let body = body.clone();
+                        async move { Ok::<_, std::convert::Infallible>(hyper::Response::new(http_body_util::Full::new(body))) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+    });
+}
+
+fn serve(name: String, tcp: Vec<u16>, udp: Vec<u16>, tcp_peer: Vec<u16>, http: Vec<u16>) -> ! {
+    for port in http {
+        serve_http(name.clone(), port);
+    }
     let ports = tcp.into_iter().map(|p| (p, false)).chain(tcp_peer.into_iter().map(|p| (p, true)));
     for (port, tell_peer) in ports {
         let listener = bind_any(port, TcpListener::bind);
@@ -405,6 +463,116 @@ fn load(kind: &str, to: SocketAddr, clients: u32, count: u32, rate: u32, timeout
     summary
 }
 
+/// One client's share of `epx-probe rate`.
+struct RateShare {
+    ok: u64,
+    errors: BTreeMap<String, u64>,
+    latency: Histogram<u64>,
+}
+
+fn latency_histogram() -> Histogram<u64> {
+    // 1 µs to 100 s, 3 significant digits.
+    Histogram::new_with_bounds(1, 100_000_000, 3).expect("valid histogram bounds")
+}
+
+/// Short connections until `until`, timing each connect().
+fn rate_connect(to: SocketAddr, until: Instant, timeout: Duration) -> RateShare {
+    let mut share = RateShare { ok: 0, errors: BTreeMap::new(), latency: latency_histogram() };
+    while Instant::now() < until {
+        let started = Instant::now();
+        let result = tcp_connect(None, false, to, timeout).and_then(|stream| {
+            let connected = started.elapsed();
+            stream.set_read_timeout(Some(timeout))?;
+            let mut line = String::new();
+            BufReader::new(&stream).read_line(&mut line)?;
+            if line.is_empty() {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            Ok(connected)
+        });
+        match result {
+            Ok(connected) => {
+                share.ok += 1;
+                share.latency.saturating_record(connected.as_micros().max(1) as u64);
+            }
+            Err(error) => *share.errors.entry(error_name(&error)).or_default() += 1,
+        }
+    }
+    share
+}
+
+/// One long-lived connection, `per_second` paced requests until `until`, timing each answer.
+fn rate_rr(to: SocketAddr, per_second: u32, until: Instant, timeout: Duration) -> RateShare {
+    let mut share = RateShare { ok: 0, errors: BTreeMap::new(), latency: latency_histogram() };
+    let exchange = |share: &mut RateShare| -> std::io::Result<()> {
+        let stream = TcpStream::connect_timeout(&to, timeout)?;
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(timeout))?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let mut name = String::new();
+        reader.read_line(&mut name)?;
+        let mut writer = stream;
+        let period = Duration::from_secs_f64(1.0 / f64::from(per_second.max(1)));
+        let mut next = Instant::now();
+        let mut echo = String::new();
+        while Instant::now() < until {
+            let started = Instant::now();
+            writer.write_all(b"ping\n")?;
+            echo.clear();
+            reader.read_line(&mut echo)?;
+            if echo != "ping\n" {
+                return Err(std::io::Error::other(format!("answer {echo:?} to ping")));
+            }
+            share.ok += 1;
+            share.latency.saturating_record(started.elapsed().as_micros().max(1) as u64);
+            next += period;
+            if let Some(wait) = next.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+        }
+        Ok(())
+    };
+    // A broken connection is one failure; the client connects again and goes on.
+    while Instant::now() < until {
+        if let Err(error) = exchange(&mut share) {
+            *share.errors.entry(error_name(&error)).or_default() += 1;
+        }
+    }
+    share
+}
+
+/// `epx-probe rate`: see the subcommand's help.
+fn rate(to: SocketAddr, clients: u32, duration: Duration, rr_rate: Option<u32>, timeout: Duration) -> Rate {
+    let started = Instant::now();
+    let until = started + duration;
+    let threads: Vec<_> = (0..clients.max(1))
+        .map(|_| {
+            std::thread::spawn(move || match rr_rate {
+                Some(per_second) => rate_rr(to, per_second, until, timeout),
+                None => rate_connect(to, until, timeout),
+            })
+        })
+        .collect();
+    let mut latency = latency_histogram();
+    let mut summary = Rate { mode: if rr_rate.is_some() { "rr" } else { "connect" }.into(), clients: clients.max(1), ..Default::default() };
+    for thread in threads {
+        let share = thread.join().expect("rate client");
+        summary.ok += share.ok;
+        for (name, n) in share.errors {
+            summary.failed += n;
+            *summary.errors.entry(name).or_default() += n;
+        }
+        latency.add(&share.latency).expect("same histogram bounds");
+    }
+    let elapsed = started.elapsed();
+    summary.elapsed_ms = elapsed.as_millis() as u64;
+    summary.per_second = summary.ok as f64 / elapsed.as_secs_f64().max(1e-9);
+    summary.p50_us = latency.value_at_quantile(0.50);
+    summary.p99_us = latency.value_at_quantile(0.99);
+    summary.max_us = latency.max();
+    summary
+}
+
 fn steady(tcp: SocketAddr, udp: SocketAddr, rate: u32, streams: u32, duration: Duration) -> Steady {
     let until = Instant::now() + duration;
     let stream_threads: Vec<_> = (0..streams).map(|_| std::thread::spawn(move || stream(tcp, until))).collect();
@@ -430,14 +598,30 @@ fn main() {
         println!("{}", serde_json::to_string(&result).expect("serialisable"));
         return;
     }
+    if let Cmd::Rate { to, clients, duration_ms, rr_rate, timeout_ms } = cli.command {
+        let result = rate(to, clients, Duration::from_millis(duration_ms), rr_rate, Duration::from_millis(timeout_ms));
+        println!("{}", serde_json::to_string(&result).expect("serialisable"));
+        return;
+    }
+    if let Cmd::Wait { to, limit_ms } = cli.command {
+        let deadline = Instant::now() + Duration::from_millis(limit_ms);
+        while tcp_once(to, Duration::from_millis(200)).is_err() {
+            if Instant::now() > deadline {
+                eprintln!("epx-probe wait: {to} did not answer within {limit_ms} ms");
+                std::process::exit(1);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        return;
+    }
     if let Cmd::UdpConnected { to, interval_ms, duration_ms } = cli.command {
         let result = udp_connected(to, Duration::from_millis(interval_ms), Duration::from_millis(duration_ms));
         println!("{}", serde_json::to_string(&result).expect("serialisable"));
         return;
     }
     let summary = match cli.command {
-        Cmd::Steady { .. } | Cmd::UdpConnected { .. } | Cmd::Load { .. } => unreachable!("handled above"),
-        Cmd::Serve { name, tcp, udp, tcp_peer } => serve(name, tcp, udp, tcp_peer),
+        Cmd::Steady { .. } | Cmd::UdpConnected { .. } | Cmd::Load { .. } | Cmd::Rate { .. } | Cmd::Wait { .. } => unreachable!("handled above"),
+        Cmd::Serve { name, tcp, udp, tcp_peer, http } => serve(name, tcp, udp, tcp_peer, http),
         Cmd::Tcp(a) => run_requests(a.count, || tcp_once_from(a.source_port, a.reset, a.to, Duration::from_millis(a.timeout_ms))),
         Cmd::Udp(a) => {
             let mut next_port = a.source_port;

@@ -1,0 +1,663 @@
+//! `cargo xtask bench`: ebpf-proxy side by side with the real kube-proxy (iptables and
+//! nftables modes) and with no proxy at all, on one machine, one API server, one topology.
+//!
+//! ```text
+//!   control-plane netns: etcd + kube-apiserver  <── every proxy watches it (a forwarder each)
+//!   node netns × 4 (no-proxy, ebpf-proxy, kube-proxy iptables, kube-proxy nftables), each:
+//!     client pod 10.244.3.10 (br1) ──routed── node ──br0── 10 backend pods 10.244.1.11-20
+//!     external client 192.168.240.2 ── ext0 192.168.240.1 (NodePort 30080)
+//! ```
+//! For each N the Services are created through the API (every proxy sees the same objects),
+//! then each proxy is cold-started alone and timed until the newest Service answers, then the
+//! data-path windows run, the contenders taking turns. See `report.rs` for what is written.
+
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use e2e::agent::{Agent, AgentDir};
+use e2e::control_plane::ControlPlane;
+use e2e::forward::Forwarder;
+use e2e::kube_proxy::{self, KubeProxy, Mode};
+use e2e::probe::{self, Rate, Server};
+use e2e::topology::{ExternalClient, Topology};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeStatus, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+
+use report::{Figure, Report};
+
+
+const NAMESPACE: &str = "bench";
+const BACKENDS: u8 = 10;
+const NODE_PORT: u16 = 30080;
+/// The Service the `ab` cross-check targets: HTTP on the backends' port 8081.
+const HTTP_VIP: &str = "10.96.200.1";
+const CLUSTER_CIDR: &str = "10.244.0.0/16";
+const NODEPORT_CIDR: &str = "192.168.240.0/24";
+/// The agent's `--node-name` (the test harness's default) and its Node object.
+const EBPF_NODE: &str = "node-1";
+/// Map sizes that hold 30 000 Services × 10 endpoints (see the report's set-up).
+const AGENT_ARGS: &[&str] = &[
+    "--interfaces=ext0",
+    "--nodeport-addresses=192.168.240.0/24",
+    "--map-size-services=524288",
+];
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn request_stop(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+fn check_interrupted() -> anyhow::Result<()> {
+    if STOP.load(Ordering::SeqCst) {
+        bail!("interrupted: cleaning up");
+    }
+    Ok(())
+}
+
+pub struct Options {
+    pub quick: bool,
+    pub max_services: usize,
+    pub out: PathBuf,
+    pub window: Option<Duration>,
+    pub rounds: Option<u32>,
+    pub command: String,
+}
+
+/// The ClusterIP of Service `bench-i`: 10.96.1.1 onwards, 250 per /24.
+fn service_ip(i: usize) -> String {
+    format!("10.96.{}.{}", 1 + i / 250, 1 + i % 250)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Contender {
+    NoProxy,
+    Ebpf,
+    KubeProxy(Mode),
+}
+
+impl Contender {
+    const ALL: [Contender; 4] = [Contender::NoProxy, Contender::Ebpf, Contender::KubeProxy(Mode::Iptables), Contender::KubeProxy(Mode::Nftables)];
+
+    fn name(self) -> &'static str {
+        match self {
+            Contender::NoProxy => "no-proxy",
+            Contender::Ebpf => "ebpf-proxy",
+            Contender::KubeProxy(Mode::Iptables) => "kube-proxy-iptables",
+            Contender::KubeProxy(Mode::Nftables) => "kube-proxy-nftables",
+        }
+    }
+}
+
+enum Proxy {
+    None,
+    Ebpf { agent: Agent, _dir: AgentDir },
+    KubeProxy(KubeProxy),
+}
+
+/// One node namespace of the common shape, with its proxy. Fields drop in order: the proxy
+/// first, the namespaces last.
+struct BenchNode {
+    contender: Contender,
+    proxy: Proxy,
+    _access: Option<Forwarder>,
+    _servers: Vec<Server>,
+    ext: ExternalClient,
+    topo: Topology,
+}
+
+impl BenchNode {
+    fn new(contender: Contender, api: &ControlPlane) -> anyhow::Result<Self> {
+        let mut topo = Topology::new()?;
+        topo.add_subnet("br1", "10.244.3")?;
+        let client = topo.add_pod_on("client", "br1", "10.244.3", 10)?;
+        tune_client(&client.netns)?;
+        let mut servers = Vec::new();
+        for b in 0..BACKENDS {
+            let name = format!("be{b}");
+            topo.add_pod(&name, 11 + b)?;
+            servers.push(probe::serve_ports(&topo, &name, &name, &[("--tcp", &[8080]), ("--http", &[8081])])?);
+        }
+        let ext = topo.add_external_client("ext")?;
+        tune_client(&ext.netns)?;
+        let mut node = Self { contender, proxy: Proxy::None, _access: None, _servers: servers, ext, topo };
+        match contender {
+            Contender::NoProxy => node.ext.route_via_node("10.244.1.0/24")?,
+            Contender::Ebpf => {
+                let (access, kubeconfig) = api.access_from(&node.topo.node.path(), &format!("agent-{}", node.topo.id))?;
+                let dir = AgentDir::new(&format!("{}-bench", node.topo.id))?;
+                let agent = Agent::start_kube_in_node_with(&node.topo, &dir, &kubeconfig, AGENT_ARGS)?;
+                node._access = Some(access);
+                node.proxy = Proxy::Ebpf { agent, _dir: dir };
+            }
+            Contender::KubeProxy(mode) => {
+                let (access, kubeconfig) = api.access_from(&node.topo.node.path(), &format!("kube-proxy-{}", node.topo.id))?;
+                let config = kube_proxy::Config {
+                    mode,
+                    netns: node.topo.node.path(),
+                    kubeconfig,
+                    node_name: contender.name().into(),
+                    cluster_cidr: CLUSTER_CIDR.into(),
+                    nodeport_addresses: NODEPORT_CIDR.into(),
+                    log: api.dir.join(format!("{}.log", contender.name())),
+                };
+                let mut proxy = KubeProxy::start(config)?;
+                proxy.wait_healthy(Duration::from_secs(60))?;
+                node._access = Some(access);
+                node.proxy = Proxy::KubeProxy(proxy);
+            }
+        }
+        Ok(node)
+    }
+
+    fn pid(&self) -> Option<u32> {
+        match &self.proxy {
+            Proxy::None => None,
+            Proxy::Ebpf { agent, .. } => agent.pid(),
+            Proxy::KubeProxy(proxy) => proxy.pid(),
+        }
+    }
+
+    /// Stops the proxy and removes everything it programmed (pins and checkpoint, or rules),
+    /// then starts a fresh process: a cold start.
+    fn cold_restart(&mut self) -> anyhow::Result<()> {
+        match &mut self.proxy {
+            Proxy::None => Ok(()),
+            Proxy::Ebpf { agent, .. } => {
+                agent.simulate_reboot()?;
+                if agent.state_dir.exists() {
+                    std::fs::remove_dir_all(&agent.state_dir)?;
+                }
+                agent.spawn()
+            }
+            Proxy::KubeProxy(proxy) => {
+                proxy.stop_and_clean()?;
+                proxy.restart()
+            }
+        }
+    }
+
+    /// The address the client pod's short connections go to at scale `n`.
+    fn cluster_target(&self, n: usize) -> String {
+        match self.contender {
+            Contender::NoProxy => "10.244.1.11:8080".into(),
+            _ => format!("{}:80", service_ip(n - 1)),
+        }
+    }
+
+    fn nodeport_target(&self) -> String {
+        match self.contender {
+            Contender::NoProxy => "10.244.1.11:8080".into(),
+            _ => format!("{}:{NODE_PORT}", self.ext.node_ip),
+        }
+    }
+
+    fn http_target(&self) -> String {
+        match self.contender {
+            Contender::NoProxy => "10.244.1.11:8081".into(),
+            _ => format!("{HTTP_VIP}:80"),
+        }
+    }
+
+    fn client_probe(&self) -> anyhow::Result<Command> {
+        self.topo.command_in("client", &e2e::bin("epx-probe"))
+    }
+}
+
+/// A client host's settings: a wide ephemeral range and TIME_WAIT reuse, so that tens of
+/// thousands of short connections never run out of ports (the same for every contender).
+fn tune_client(netns: &e2e::topology::Netns) -> anyhow::Result<()> {
+    netns.exec(&["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65535"])?;
+    netns.exec(&["sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"])?;
+    Ok(())
+}
+
+/// A progress line per step, with the elapsed and (estimated) remaining time.
+struct Progress {
+    started: Instant,
+    done: usize,
+    total: usize,
+}
+
+impl Progress {
+    fn step(&mut self, what: &str) {
+        self.done += 1;
+        let elapsed = self.started.elapsed().as_secs();
+        let remaining = if self.done > 1 { elapsed * (self.total - self.done + 1) as u64 / (self.done - 1) as u64 } else { 0 };
+        eprintln!(
+            "\x1b[1m[bench {}/{}]\x1b[0m {what}  (elapsed {}m{:02}s, ~{}m{:02}s left)",
+            self.done,
+            self.total,
+            elapsed / 60,
+            elapsed % 60,
+            remaining / 60,
+            remaining % 60
+        );
+    }
+}
+
+/// While alive, Ctrl-C and SIGTERM only ask the benchmark to stop (it then unwinds, and every
+/// namespace, process and pin it made is removed); the previous handlers come back on drop.
+struct StopOnSignal {
+    previous: [libc::sighandler_t; 2],
+}
+
+impl StopOnSignal {
+    fn install() -> Self {
+        STOP.store(false, Ordering::SeqCst);
+        // SAFETY: the handler only stores to an atomic.
+        let previous = unsafe {
+            [
+                libc::signal(libc::SIGINT, request_stop as *const () as libc::sighandler_t),
+                libc::signal(libc::SIGTERM, request_stop as *const () as libc::sighandler_t),
+            ]
+        };
+        Self { previous }
+    }
+}
+
+impl Drop for StopOnSignal {
+    fn drop(&mut self) {
+        // SAFETY: restoring the handlers `install` replaced.
+        unsafe {
+            libc::signal(libc::SIGINT, self.previous[0]);
+            libc::signal(libc::SIGTERM, self.previous[1]);
+        }
+    }
+}
+
+pub fn run(options: &Options) -> anyhow::Result<()> {
+    let _signals = StopOnSignal::install();
+    let mut scales: Vec<usize> = if options.quick { vec![1, 100] } else { vec![1, 1000, 10_000, 30_000] };
+    scales.retain(|&n| n <= options.max_services.max(1));
+    let window = options.window.unwrap_or(if options.quick { Duration::from_secs(1) } else { Duration::from_secs(5) });
+    let rounds = options.rounds.unwrap_or(if options.quick { 1 } else { 3 });
+    let started = Instant::now();
+    let mut report = Report::default();
+    report.run = report::Run {
+        command: options.command.clone(),
+        started: utc_now(),
+        quick: options.quick,
+        window_s: window.as_secs_f64(),
+        rounds,
+        scales: scales.clone(),
+        machine: machine(),
+        versions: versions()?,
+        ..Default::default()
+    };
+    // Steps: per N, the Services, 3 cold starts and rounds × 4 contenders × windows.
+    let mut progress = Progress { started, done: 0, total: 2 + scales.len() * (1 + 3 + rounds as usize * 4) };
+
+    progress.step("starting etcd and kube-apiserver");
+    let mut cp_topo = Topology::new()?;
+    let api = ControlPlane::start(&mut cp_topo)?;
+    api.apply(&format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {NAMESPACE}}}\n"))?;
+    create_nodes(&api)?;
+    create_http_service(&api)?;
+
+    progress.step("four node namespaces: pods, backends, external clients; the proxies start");
+    let mut nodes = Vec::new();
+    for contender in Contender::ALL {
+        check_interrupted()?;
+        nodes.push(BenchNode::new(contender, &api).with_context(|| format!("setting up the {} node", contender.name()))?);
+    }
+
+    let mut created = 0;
+    for &n in &scales {
+        check_interrupted()?;
+        progress.step(&format!("N={n}: creating Services {created}..{n} and their EndpointSlices through the API"));
+        let t = Instant::now();
+        create_services(&api, created, n)?;
+        eprintln!("    {} Services and slices created in {:.1?}", n - created, t.elapsed());
+        created = n;
+
+        for node in nodes.iter_mut().filter(|node| node.contender != Contender::NoProxy) {
+            check_interrupted()?;
+            progress.step(&format!("N={n}: cold start of {}", node.contender.name()));
+            let cold = cold_start(node, n).with_context(|| format!("cold start of {} at N={n}", node.contender.name()))?;
+            eprintln!("    answers after {:.2} s, {:.2} CPU s, peak RSS {:.1} MiB", cold.0, cold.1, cold.2);
+            let name = node.contender.name();
+            report.figures.push(figure(n, name, "cold_start", vec![cold.0]));
+            report.figures.push(figure(n, name, "cold_cpu", vec![cold.1]));
+            report.figures.push(figure(n, name, "cold_peak_rss", vec![cold.2]));
+        }
+
+        let mut samples: std::collections::BTreeMap<(&str, &str), Vec<f64>> = Default::default();
+        for round in 0..rounds as usize {
+            for k in 0..nodes.len() {
+                check_interrupted()?;
+                let node = &nodes[(k + round) % nodes.len()];
+                let name = node.contender.name();
+                progress.step(&format!("N={n}: data path of {name}, round {}/{rounds}", round + 1));
+                // On a shared machine (a VM) the hypervisor may take the CPUs away for a while:
+                // a round that lost more than 5 % of its time to steal is measured again (twice
+                // at most; the report says so).
+                let mut attempt = 0;
+                let windows = loop {
+                    let steal_before = steal_seconds()?;
+                    let t = Instant::now();
+                    let windows = data_path(node, n, window).with_context(|| format!("data path of {name} at N={n}"))?;
+                    let stolen = (steal_seconds()? - steal_before) / (t.elapsed().as_secs_f64() * cores());
+                    if stolen <= 0.05 || attempt == 2 {
+                        if stolen > 0.05 {
+                            report.run.notes.push(format!("N={n} {name} round {}: {:.0} % of the CPU time stolen by the hypervisor even on the third try", round + 1, stolen * 100.0));
+                        }
+                        break windows;
+                    }
+                    attempt += 1;
+                    report.run.notes.push(format!("N={n} {name} round {}: measured again ({:.0} % of the CPU time stolen by the hypervisor)", round + 1, stolen * 100.0));
+                    eprintln!("    {:.0} % of the CPU time was stolen by the hypervisor: measuring this round again", stolen * 100.0);
+                };
+                for (metric, value) in windows.values {
+                    samples.entry((name, metric)).or_default().push(value);
+                }
+                for failure in windows.failures {
+                    report.run.failures.push(format!("N={n} {name}: {failure}"));
+                }
+            }
+        }
+        for ((contender, metric), values) in samples {
+            report.figures.push(figure(n, contender, metric, values));
+        }
+        for node in &nodes {
+            if let Some(pid) = node.pid() {
+                let (rss, _) = memory_mib(pid)?;
+                report.figures.push(figure(n, node.contender.name(), "rss", vec![rss]));
+            }
+        }
+    }
+    report.run.duration_s = started.elapsed().as_secs_f64();
+    drop(nodes);
+    drop(api);
+    drop(cp_topo);
+    report::write(&options.out, &report)?;
+    eprintln!("report: {}", options.out.join("README.md").display());
+    Ok(())
+}
+
+fn figure(n: usize, contender: &str, metric: &str, samples: Vec<f64>) -> Figure {
+    let mut sorted = samples.clone();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    let value = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
+    Figure { n, contender: contender.into(), metric: metric.into(), value, samples }
+}
+
+/// Cold-starts `node`'s proxy and waits until the newest Service answers from the client pod:
+/// (seconds, proxy CPU seconds, proxy peak RSS MiB) at that moment.
+fn cold_start(node: &mut BenchNode, n: usize) -> anyhow::Result<(f64, f64, f64)> {
+    let target = node.cluster_target(n);
+    let started = Instant::now();
+    node.cold_restart()?;
+    let status = node
+        .client_probe()?
+        .args(["wait", "--to", &target, "--limit-ms", "900000"])
+        .stdin(Stdio::null())
+        .status()
+        .context("running epx-probe wait")?;
+    let elapsed = started.elapsed().as_secs_f64();
+    if !status.success() {
+        bail!("{target} never answered after the cold start");
+    }
+    let pid = node.pid().context("the proxy is not running")?;
+    let cpu = cpu_seconds(pid)?;
+    let (_, peak) = memory_mib(pid)?;
+    if let Proxy::KubeProxy(proxy) = &mut node.proxy {
+        proxy.check_running()?;
+    }
+    Ok((elapsed, cpu, peak))
+}
+
+struct Windows {
+    values: Vec<(&'static str, f64)>,
+    failures: Vec<String>,
+}
+
+/// The data-path windows of one contender at scale `n`.
+fn data_path(node: &BenchNode, n: usize, window: Duration) -> anyhow::Result<Windows> {
+    let mut out = Windows { values: Vec::new(), failures: Vec::new() };
+    let mut note = |what: &str, rate: &Rate| {
+        if rate.failed > 0 {
+            out.failures.push(format!("{what}: {} of {} failed ({:?})", rate.failed, rate.failed + rate.ok, rate.errors));
+        }
+    };
+    let cluster = node.cluster_target(n);
+    let cpu_before = machine_cpu_seconds()?;
+    let one = probe::rate(node.client_probe()?, &cluster, 1, window, None)?;
+    let cpu = machine_cpu_seconds()? - cpu_before;
+    note("ClusterIP, 1 client", &one);
+    let two = probe::rate(node.client_probe()?, &cluster, 2, window, None)?;
+    note("ClusterIP, 2 clients", &two);
+    let nodeport = probe::rate(node.ext.command(&e2e::bin("epx-probe"))?, &node.nodeport_target(), 1, window, None)?;
+    note("NodePort", &nodeport);
+    let rr = probe::rate(node.client_probe()?, &cluster, 1, window, Some(1000))?;
+    note("request/response", &rr);
+    let ab = ab_rate(node, window)?;
+    out.values.extend([
+        ("clusterip_rate_1", one.per_second),
+        ("clusterip_rate_2", two.per_second),
+        ("clusterip_connect_p50", one.p50_us as f64),
+        ("clusterip_connect_p99", one.p99_us as f64),
+        ("nodeport_rate_1", nodeport.per_second),
+        ("nodeport_connect_p50", nodeport.p50_us as f64),
+        ("nodeport_connect_p99", nodeport.p99_us as f64),
+        ("rr_p50", rr.p50_us as f64),
+        ("rr_p99", rr.p99_us as f64),
+        ("cpu_per_10k", cpu / (one.ok.max(1) as f64) * 10_000.0),
+        ("clusterip_ab_rate", ab),
+    ]);
+    Ok(out)
+}
+
+/// `ab -c 1 -t WINDOW` (no keep-alive) from the client pod to the HTTP Service: requests/s.
+fn ab_rate(node: &BenchNode, window: Duration) -> anyhow::Result<f64> {
+    let mut command = node.topo.command_in("client", Path::new("/usr/bin/ab"))?;
+    let url = format!("http://{}/", node.http_target());
+    let output = command
+        .args(["-q", "-c", "1", "-n", "10000000", "-s", "5", "-t", &window.as_secs().max(1).to_string(), &url])
+        .stdin(Stdio::null())
+        .output()
+        .context("running ab (Debian's apache2-utils; `cargo xtask setup` installs it)")?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let failed = text.lines().find_map(|l| l.strip_prefix("Failed requests:")).map(|v| v.trim().to_owned());
+    let rate = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Requests per second:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse::<f64>().ok());
+    match rate {
+        Some(rate) if failed.as_deref() == Some("0") => Ok(rate),
+        _ => bail!("ab against {url} failed ({}): {}{}", output.status, text.trim(), String::from_utf8_lossy(&output.stderr).trim()),
+    }
+}
+
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as f64
+}
+
+/// User + system CPU seconds of process `pid` so far.
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let after = stat.rsplit_once(") ").context("malformed /proc/PID/stat")?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // Fields 14 and 15 of stat(5): the list after the command starts at field 3.
+    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    Ok(ticks / clock_ticks())
+}
+
+/// (VmRSS, VmHWM) of process `pid`, in MiB.
+fn memory_mib(pid: u32) -> anyhow::Result<(f64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let field = |name: &str| -> anyhow::Result<f64> {
+        let line = status.lines().find(|l| l.starts_with(name)).with_context(|| format!("no {name} in /proc/{pid}/status"))?;
+        let kib: f64 = line.split_whitespace().nth(1).context("malformed status line")?.parse()?;
+        Ok(kib / 1024.0)
+    };
+    Ok((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// System + irq + softirq CPU seconds of the whole machine so far (`/proc/stat`).
+fn machine_cpu_seconds() -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let cpu = stat.lines().next().context("empty /proc/stat")?;
+    let fields: Vec<f64> = cpu.split_whitespace().skip(1).map(|f| f.parse().unwrap_or(0.0)).collect();
+    // user nice system idle iowait irq softirq ...
+    Ok((fields[2] + fields[5] + fields[6]) / clock_ticks())
+}
+
+fn cores() -> f64 {
+    std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(1.0)
+}
+
+/// CPU time the hypervisor gave to others, all CPUs, so far (`steal` in `/proc/stat`).
+fn steal_seconds() -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let cpu = stat.lines().next().context("empty /proc/stat")?;
+    let steal: f64 = cpu.split_whitespace().nth(8).context("no steal column in /proc/stat")?.parse()?;
+    Ok(steal / clock_ticks())
+}
+
+/// The Node objects of the proxies' nodes, with their address (kube-proxy reads it).
+fn create_nodes(api: &ControlPlane) -> anyhow::Result<()> {
+    let nodes: Api<Node> = Api::all(api.client());
+    api.block_on(async {
+        for contender in Contender::ALL {
+            let name = if contender == Contender::Ebpf { EBPF_NODE } else { contender.name() };
+            let node = Node { metadata: ObjectMeta { name: Some(name.into()), ..Default::default() }, ..Default::default() };
+            nodes.create(&PostParams::default(), &node).await.with_context(|| format!("creating Node {name}"))?;
+            let status = NodeStatus {
+                addresses: Some(vec![NodeAddress { type_: "InternalIP".into(), address: "192.168.240.1".into() }]),
+                ..Default::default()
+            };
+            let patch = serde_json::json!({ "status": status });
+            nodes
+                .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .with_context(|| format!("setting the address of Node {name}"))?;
+        }
+        anyhow::Ok(())
+    })
+}
+
+fn service(name: &str, ip: &str, target_port: i32, node_port: Option<u16>) -> Service {
+    Service {
+        metadata: ObjectMeta { name: Some(name.into()), namespace: Some(NAMESPACE.into()), ..Default::default() },
+        spec: Some(ServiceSpec {
+            type_: Some(if node_port.is_some() { "NodePort" } else { "ClusterIP" }.into()),
+            cluster_ip: Some(ip.into()),
+            ports: Some(vec![ServicePort {
+                name: Some("http".into()),
+                port: 80,
+                target_port: Some(IntOrString::Int(target_port)),
+                node_port: node_port.map(i32::from),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn slice(service: &str, port: i32) -> EndpointSlice {
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(format!("{service}-pool")),
+            namespace: Some(NAMESPACE.into()),
+            labels: Some([("kubernetes.io/service-name".to_owned(), service.to_owned())].into()),
+            ..Default::default()
+        },
+        address_type: "IPv4".into(),
+        endpoints: (0..BACKENDS)
+            .map(|b| Endpoint {
+                addresses: vec![format!("10.244.1.{}", 11 + b)],
+                conditions: Some(EndpointConditions { ready: Some(true), serving: Some(true), terminating: Some(false) }),
+                // The ebpf-proxy node's name: the backends are its own pods. (kube-proxy, with
+                // externalTrafficPolicy Cluster, does not look at it.)
+                node_name: Some(EBPF_NODE.into()),
+                ..Default::default()
+            })
+            .collect(),
+        ports: Some(vec![EndpointPort { name: Some("http".into()), port: Some(port), protocol: Some("TCP".into()), ..Default::default() }]),
+    }
+}
+
+fn create_http_service(api: &ControlPlane) -> anyhow::Result<()> {
+    let services: Api<Service> = Api::namespaced(api.client(), NAMESPACE);
+    let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
+    api.block_on(async {
+        services.create(&PostParams::default(), &service("bench-http", HTTP_VIP, 8081, None)).await.context("creating bench-http")?;
+        slices.create(&PostParams::default(), &slice("bench-http", 8081)).await.context("creating bench-http's slice")?;
+        anyhow::Ok(())
+    })
+}
+
+/// Creates Services `bench-from` .. `bench-(to-1)` and their slices, 64 requests in flight.
+fn create_services(api: &ControlPlane, from: usize, to: usize) -> anyhow::Result<()> {
+    let services: Api<Service> = Api::namespaced(api.client(), NAMESPACE);
+    let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
+    api.block_on(async {
+        futures::stream::iter(from..to)
+            .map(|i| {
+                let (services, slices) = (services.clone(), slices.clone());
+                async move {
+                    check_interrupted()?;
+                    let name = format!("bench-{i}");
+                    let node_port = (i == 0).then_some(NODE_PORT);
+                    services.create(&PostParams::default(), &service(&name, &service_ip(i), 8080, node_port)).await.with_context(|| format!("creating Service {name}"))?;
+                    slices.create(&PostParams::default(), &slice(&name, 8080)).await.with_context(|| format!("creating the slice of {name}"))?;
+                    anyhow::Ok(())
+                }
+            })
+            .buffer_unordered(64)
+            .try_collect::<Vec<()>>()
+            .await
+    })?;
+    Ok(())
+}
+
+fn utc_now() -> String {
+    let output = Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output();
+    output.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default()
+}
+
+fn machine() -> std::collections::BTreeMap<String, String> {
+    let mut m = std::collections::BTreeMap::new();
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned());
+    m.insert("CPU".into(), format!("{} × {}", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), model.unwrap_or_default()));
+    let mem = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let total = mem.lines().next().and_then(|l| l.split_whitespace().nth(1)).and_then(|k| k.parse::<f64>().ok()).unwrap_or(0.0);
+    m.insert("memory".into(), format!("{:.1} GiB", total / 1024.0 / 1024.0));
+    let kernel = Command::new("uname").arg("-r").output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
+    m.insert("kernel".into(), kernel);
+    m
+}
+
+fn versions() -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+    let mut v = std::collections::BTreeMap::new();
+    let kp = Command::new(kube_proxy::binary()).arg("--version").output().context("kube-proxy --version")?;
+    v.insert("kube-proxy".into(), String::from_utf8_lossy(&kp.stdout).trim().to_owned());
+    let rev = Command::new("git").args(["-C", &crate::workspace_root().display().to_string(), "describe", "--always", "--dirty"]).output();
+    v.insert("ebpf-proxy".into(), format!("git {}", rev.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default()));
+    let nft = Command::new("nft").arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
+    let ipt = Command::new("iptables").arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
+    v.insert("nft".into(), nft);
+    v.insert("iptables".into(), ipt);
+    Ok(v)
+}
+
+/// Redraws the report in `dir` from its `results.json`.
+pub fn redraw(dir: &Path) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(dir.join("results.json")).with_context(|| format!("reading {}/results.json", dir.display()))?;
+    let report: Report = serde_json::from_str(&text)?;
+    report::write(dir, &report)
+}

@@ -1,0 +1,363 @@
+//! The benchmark's report: raw results (JSON and CSV), PNG plots (plotters), and a Markdown
+//! page with every figure and its ratios to the no-proxy baseline and to kube-proxy.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use plotters::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// The contenders, in the report's column order.
+pub const CONTENDERS: &[&str] = &["no-proxy", "ebpf-proxy", "kube-proxy-iptables", "kube-proxy-nftables"];
+
+/// One figure: a metric of one contender at one scale, the median of its samples.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Figure {
+    pub n: usize,
+    pub contender: String,
+    pub metric: String,
+    pub value: f64,
+    pub samples: Vec<f64>,
+}
+
+/// What the report says about the run besides the figures.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Run {
+    pub command: String,
+    pub started: String,
+    pub duration_s: f64,
+    pub quick: bool,
+    pub window_s: f64,
+    pub rounds: u32,
+    pub scales: Vec<usize>,
+    pub machine: BTreeMap<String, String>,
+    pub versions: BTreeMap<String, String>,
+    /// Failed operations (connections, requests) per contender and N, with their error names.
+    pub failures: Vec<String>,
+    /// Rounds measured again, and why.
+    #[serde(default)]
+    pub notes: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Report {
+    pub run: Run,
+    pub figures: Vec<Figure>,
+}
+
+/// A metric the report shows: key, title, unit, whether more is better, who has it.
+pub struct Metric {
+    pub key: &'static str,
+    pub title: &'static str,
+    pub unit: &'static str,
+    pub higher_is_better: bool,
+    /// The no-proxy baseline has no proxy to start or measure.
+    pub proxies_only: bool,
+}
+
+pub const METRICS: &[Metric] = &[
+    Metric { key: "clusterip_rate_1", title: "Pod → ClusterIP short connections, 1 client", unit: "conn/s", higher_is_better: true, proxies_only: false },
+    Metric { key: "clusterip_rate_2", title: "Pod → ClusterIP short connections, 2 clients", unit: "conn/s", higher_is_better: true, proxies_only: false },
+    Metric { key: "clusterip_connect_p50", title: "Pod → ClusterIP connect() latency p50 (1 client)", unit: "µs", higher_is_better: false, proxies_only: false },
+    Metric { key: "clusterip_connect_p99", title: "Pod → ClusterIP connect() latency p99 (1 client)", unit: "µs", higher_is_better: false, proxies_only: false },
+    Metric { key: "clusterip_ab_rate", title: "Pod → ClusterIP short connections, `ab -c 1` (no keep-alive)", unit: "conn/s", higher_is_better: true, proxies_only: false },
+    Metric { key: "nodeport_rate_1", title: "External → NodePort short connections, 1 client", unit: "conn/s", higher_is_better: true, proxies_only: false },
+    Metric { key: "nodeport_connect_p50", title: "External → NodePort connect() latency p50", unit: "µs", higher_is_better: false, proxies_only: false },
+    Metric { key: "nodeport_connect_p99", title: "External → NodePort connect() latency p99", unit: "µs", higher_is_better: false, proxies_only: false },
+    Metric { key: "rr_p50", title: "Request/response on one connection (1000/s) p50", unit: "µs", higher_is_better: false, proxies_only: false },
+    Metric { key: "rr_p99", title: "Request/response on one connection (1000/s) p99", unit: "µs", higher_is_better: false, proxies_only: false },
+    Metric { key: "cpu_per_10k", title: "System + softirq CPU per 10 000 ClusterIP connections (whole machine)", unit: "CPU s", higher_is_better: false, proxies_only: false },
+    Metric { key: "cold_start", title: "Cold start: proxy started → the newest of N Services answers", unit: "s", higher_is_better: false, proxies_only: true },
+    Metric { key: "cold_cpu", title: "Proxy CPU time during the cold start", unit: "CPU s", higher_is_better: false, proxies_only: true },
+    Metric { key: "cold_peak_rss", title: "Proxy peak RSS during the cold start", unit: "MiB", higher_is_better: false, proxies_only: true },
+    Metric { key: "rss", title: "Proxy RSS after the data-path windows", unit: "MiB", higher_is_better: false, proxies_only: true },
+];
+
+pub fn metric(key: &str) -> &'static Metric {
+    METRICS.iter().find(|m| m.key == key).unwrap_or_else(|| panic!("unknown metric {key}"))
+}
+
+/// The plots: file name, metric, y label, whether the y axis is logarithmic.
+const PLOTS: &[(&str, &str, &str, bool)] = &[
+    ("clusterip-rate.png", "clusterip_rate_1", "connections/s (pod → ClusterIP, 1 client)", false),
+    ("clusterip-connect-p99.png", "clusterip_connect_p99", "connect() p99, µs (pod → ClusterIP)", true),
+    ("programming-time.png", "cold_start", "cold start until the newest Service answers, s", true),
+    ("rss.png", "cold_peak_rss", "proxy peak RSS during cold start, MiB", false),
+];
+
+impl Report {
+    pub fn value(&self, n: usize, contender: &str, metric: &str) -> Option<f64> {
+        self.figures.iter().find(|f| f.n == n && f.contender == contender && f.metric == metric).map(|f| f.value)
+    }
+
+    /// Every (N, contender, metric) the run must have produced that is missing or not finite.
+    pub fn missing(&self) -> Vec<String> {
+        let mut missing = Vec::new();
+        for &n in &self.run.scales {
+            for contender in CONTENDERS {
+                for m in METRICS {
+                    if m.proxies_only && *contender == "no-proxy" {
+                        continue;
+                    }
+                    match self.value(n, contender, m.key) {
+                        Some(v) if v.is_finite() => {}
+                        Some(v) => missing.push(format!("N={n} {contender} {}: {v}", m.key)),
+                        None => missing.push(format!("N={n} {contender} {}: absent", m.key)),
+                    }
+                }
+            }
+        }
+        missing
+    }
+}
+
+/// Writes `results.json`, `results.csv`, the plots and `README.md` into `dir`; fails if a
+/// figure or a plot is missing.
+pub fn write(dir: &Path, report: &Report) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(report)?)?;
+    let mut csv = String::from("n,contender,metric,unit,value,samples\n");
+    for f in &report.figures {
+        let samples: Vec<String> = f.samples.iter().map(|s| format!("{s}")).collect();
+        writeln!(csv, "{},{},{},{},{},{}", f.n, f.contender, f.metric, metric(&f.metric).unit, f.value, samples.join(" "))?;
+    }
+    std::fs::write(dir.join("results.csv"), csv)?;
+    register_font()?;
+    for (file, key, label, log_y) in PLOTS {
+        plot(&dir.join(file), report, key, label, *log_y).with_context(|| format!("drawing {file}"))?;
+    }
+    std::fs::write(dir.join("README.md"), markdown(report))?;
+    let missing = report.missing();
+    if !missing.is_empty() {
+        bail!("the benchmark did not produce every figure:\n  {}", missing.join("\n  "));
+    }
+    for (file, ..) in PLOTS {
+        let size = std::fs::metadata(dir.join(file)).map(|m| m.len()).unwrap_or(0);
+        if size < 1000 {
+            bail!("plot {file} was not drawn ({size} bytes)");
+        }
+    }
+    Ok(())
+}
+
+const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
+
+fn register_font() -> anyhow::Result<()> {
+    let bytes = std::fs::read(FONT).with_context(|| format!("reading {FONT} (Debian's fonts-dejavu-core; `cargo xtask setup` installs it)"))?;
+    plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(bytes.into_boxed_slice()))
+        .map_err(|_| anyhow::anyhow!("{FONT} is not a usable font"))
+}
+
+const COLOURS: &[RGBColor] = &[RGBColor(120, 120, 120), RGBColor(214, 39, 40), RGBColor(31, 119, 180), RGBColor(44, 160, 44)];
+
+fn plot(path: &Path, report: &Report, key: &str, label: &str, log_y: bool) -> anyhow::Result<()> {
+    let m = metric(key);
+    let series: Vec<(&str, RGBColor, Vec<(f64, f64)>)> = CONTENDERS
+        .iter()
+        .zip(COLOURS)
+        .filter(|(c, _)| !(m.proxies_only && **c == "no-proxy"))
+        .map(|(c, colour)| {
+            let points = report.run.scales.iter().filter_map(|&n| report.value(n, c, key).map(|v| (n.max(1) as f64, v))).collect();
+            (*c, *colour, points)
+        })
+        .collect();
+    let values: Vec<f64> = series.iter().flat_map(|(_, _, p)| p.iter().map(|(_, v)| *v)).filter(|v| v.is_finite()).collect();
+    let max_n = report.run.scales.iter().copied().max().unwrap_or(1).max(10) as f64;
+    let y_max = values.iter().copied().fold(0.0f64, f64::max).max(1e-3) * 1.15;
+    let y_min = values.iter().copied().fold(f64::INFINITY, f64::min).clamp(1e-3, y_max / 2.0);
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let caption = format!("{} vs number of Services", m.title);
+    let mut builder = ChartBuilder::on(&root);
+    builder.caption(caption, ("sans-serif", 20)).margin(16).x_label_area_size(44).y_label_area_size(80);
+    let x_range = (1.0f64..max_n * 1.5).log_scale();
+    macro_rules! draw {
+        ($chart:expr) => {{
+            let mut chart = $chart;
+            chart.configure_mesh().x_desc("Services (N), log scale").y_desc(label).label_style(("sans-serif", 14)).draw()?;
+            for (name, colour, points) in &series {
+                let colour = *colour;
+                chart
+                    .draw_series(LineSeries::new(points.clone(), colour.stroke_width(2)))?
+                    .label(*name)
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2)));
+                chart.draw_series(points.iter().map(|p| Circle::new(*p, 4, colour.filled())))?;
+            }
+            chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).label_font(("sans-serif", 14)).draw()?;
+        }};
+    }
+    if log_y {
+        draw!(builder.build_cartesian_2d(x_range, (y_min / 1.5..y_max * 1.5).log_scale())?);
+    } else {
+        draw!(builder.build_cartesian_2d(x_range, 0.0..y_max)?);
+    }
+    root.present()?;
+    Ok(())
+}
+
+fn format_value(v: f64) -> String {
+    if !v.is_finite() {
+        "—".into()
+    } else if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) if b != 0.0 && a.is_finite() && b.is_finite() => format!("{:.2}×", a / b),
+        _ => "—".into(),
+    }
+}
+
+/// The report page. The figures are this run's; the prose around them is fixed, so a re-run
+/// rewrites it all.
+pub fn markdown(report: &Report) -> String {
+    let run = &report.run;
+    let mut md = String::new();
+    let _ = writeln!(md, "# Benchmarks: ebpf-proxy against kube-proxy (iptables, nftables) and no proxy\n");
+    let _ = writeln!(
+        md,
+        "Generated by `{}` on {} ({}; {:.0} min). {}\n",
+        run.command,
+        run.started,
+        if run.quick { "**quick run: short windows, figures not meant to be read**" } else { "full run" },
+        run.duration_s / 60.0,
+        "Raw figures: [results.json](results.json), [results.csv](results.csv) (every sample; the plots can be redrawn from them with `cargo xtask bench --redraw DIR`)."
+    );
+    let _ = writeln!(md, "## Machine and versions\n");
+    for (k, v) in run.machine.iter().chain(run.versions.iter()) {
+        let _ = writeln!(md, "- **{k}**: {v}");
+    }
+    let _ = writeln!(md, "\n## Set-up\n");
+    md.push_str(SETUP);
+    let _ = writeln!(
+        md,
+        "\nEach rate or latency figure is the median of {} windows of {:.0} s; the contenders take turns (A B C D, then B C D A, …) so that the machine's drift spreads over all of them. Scales: N = {}.\n",
+        run.rounds,
+        run.window_s,
+        run.scales.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    );
+    let _ = writeln!(md, "## Targets\n");
+    md.push_str(&targets(report));
+    let _ = writeln!(md, "\n## Plots\n");
+    for (file, key, ..) in PLOTS {
+        let _ = writeln!(md, "![{}]({file})", metric(key).title);
+    }
+    let _ = writeln!(md, "\n## Every figure\n");
+    for m in METRICS {
+        let better = if m.higher_is_better { "higher is better" } else { "lower is better" };
+        let _ = writeln!(md, "### {} ({}, {better})\n", m.title, m.unit);
+        let _ = writeln!(md, "| N | no proxy | ebpf-proxy | kube-proxy iptables | kube-proxy nftables | ebpf ÷ no proxy | ebpf ÷ iptables | ebpf ÷ nftables |");
+        let _ = writeln!(md, "|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for &n in &run.scales {
+            let v = |c: &str| report.value(n, c, m.key);
+            let cell = |c: &str| v(c).map(format_value).unwrap_or_else(|| "—".into());
+            let _ = writeln!(
+                md,
+                "| {n} | {} | {} | {} | {} | {} | {} | {} |",
+                cell("no-proxy"),
+                cell("ebpf-proxy"),
+                cell("kube-proxy-iptables"),
+                cell("kube-proxy-nftables"),
+                ratio(v("ebpf-proxy"), v("no-proxy")),
+                ratio(v("ebpf-proxy"), v("kube-proxy-iptables")),
+                ratio(v("ebpf-proxy"), v("kube-proxy-nftables")),
+            );
+        }
+        let _ = writeln!(md);
+    }
+    let _ = writeln!(md, "## Failed operations\n");
+    if run.failures.is_empty() {
+        let _ = writeln!(md, "None: every connection and request of every window was answered.");
+    } else {
+        for f in &run.failures {
+            let _ = writeln!(md, "- {f}");
+        }
+    }
+    let _ = writeln!(md, "\n## Rounds measured again\n");
+    if run.notes.is_empty() {
+        let _ = writeln!(md, "None: no round lost more than 5 % of its CPU time to the hypervisor (`steal` in /proc/stat).");
+    } else {
+        for n in &run.notes {
+            let _ = writeln!(md, "- {n}");
+        }
+    }
+    md.push_str(NOT_YET);
+    md
+}
+
+/// The issue's targets, checked against this run's figures.
+fn targets(report: &Report) -> String {
+    let mut out = String::from("| Target | Figure | Met |\n|---|---|---|\n");
+    let scales = &report.run.scales;
+    let mut row = |what: String, figure: Option<f64>, goal: f64, at_least: bool| {
+        let (text, met) = match figure {
+            Some(f) if f.is_finite() => (format!("{f:.2}"), if at_least { f >= goal } else { f < goal }),
+            _ => ("—".into(), false),
+        };
+        let _ = writeln!(out, "| {what} | {text} | {} |", if met { "yes" } else { "**no**" });
+    };
+    let r = |n: usize, a: &str, b: &str, m: &str| match (report.value(n, a, m), report.value(n, b, m)) {
+        (Some(x), Some(y)) if y > 0.0 => Some(x / y),
+        _ => None,
+    };
+    for &n in scales {
+        row(format!("N={n}: ClusterIP rate ≥ 0.95 × no proxy"), r(n, "ebpf-proxy", "no-proxy", "clusterip_rate_1"), 0.95, true);
+        row(format!("N={n}: ClusterIP rate ≥ 1.0 × nftables"), r(n, "ebpf-proxy", "kube-proxy-nftables", "clusterip_rate_1"), 1.0, true);
+    }
+    if let Some(&first) = scales.first() {
+        row(format!("N={first}: ClusterIP rate ≥ 1.0 × iptables"), r(first, "ebpf-proxy", "kube-proxy-iptables", "clusterip_rate_1"), 1.0, true);
+        row(format!("N={first}: NodePort rate ≥ 1.0 × iptables"), r(first, "ebpf-proxy", "kube-proxy-iptables", "nodeport_rate_1"), 1.0, true);
+    }
+    if let Some(&last) = scales.iter().max() {
+        row(format!("N={last}: ClusterIP rate ≥ 3 × iptables (target set at N=30000)"), r(last, "ebpf-proxy", "kube-proxy-iptables", "clusterip_rate_1"), 3.0, true);
+        if let Some(&first) = scales.first() {
+            let flat = match (report.value(last, "ebpf-proxy", "nodeport_rate_1"), report.value(first, "ebpf-proxy", "nodeport_rate_1")) {
+                (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+                _ => None,
+            };
+            row(format!("NodePort rate flat in N (N={last} ÷ N={first} ≥ 0.9)"), flat, 0.9, true);
+        }
+        row(format!("N={last}: cold start < 2 s after the agent starts"), report.value(last, "ebpf-proxy", "cold_start"), 2.0, false);
+        row(format!("N={last}: agent peak RSS < 100 MiB"), report.value(last, "ebpf-proxy", "cold_peak_rss"), 100.0, false);
+    }
+    out
+}
+
+const SETUP: &str = "\
+- **One machine, one kube-apiserver** (and etcd, both upstream, from `cargo xtask peers`) that every proxy reads. \
+Every contender has its own **node network namespace of the same shape**: a client pod on bridge `br1` \
+(10.244.3.10/24), ten backend pods on bridge `br0` (10.244.1.11–20, `epx-probe serve`: answer with the pod's name, then echo), \
+and an external client namespace on its own link (192.168.240.2 → the node's 192.168.240.1). \
+Client and backends are on different subnets, routed through the node, so replies pass the node's netfilter hooks without \
+`br_netfilter` (kube-proxy needs one or the other; a routed subnet changes nothing on the host).\n\
+- **Services**: N Services `bench/bench-i` created through the API, ClusterIP 10.96.x.y port 80 → 8080, each with one \
+EndpointSlice of the same 10 backend pods; `bench-0` is also a NodePort (30080). The data-path windows target the newest \
+Service (`bench-(N-1)`; `bench-0` for the NodePort).\n\
+- **no-proxy**: the client connects straight to a backend pod (10.244.1.11:8080); the external client routes to it through the node.\n\
+- **ebpf-proxy**: `ebpf-proxy agent --source kube --interfaces ext0 --nodeport-addresses 192.168.240.0/24 \
+--map-size-services 524288`, socket-level load balancing on the node's pod cgroup. \
+**The default map sizes (65 536 entries) do not hold 30 000 Services × 10 endpoints**: the service map needs \
+frontends × (1 + backends) = 330 000 entries (the backend map holds each distinct endpoint once); `ebpf-proxy agent --help` says so at `--map-size-services`.\n\
+- **kube-proxy** v1.34 (`--proxy-mode iptables` or `nftables`, default sync settings), each in its own node namespace with \
+`--cluster-cidr 10.244.0.0/16 --nodeport-addresses 192.168.240.0/24 --conntrack-max-per-core 0` (`nf_conntrack_max` is \
+host-wide and read-only inside a namespace) and its Node object. A cold start is `kube-proxy --cleanup`, then a new process.\n\
+- **Client sockets**: the client pod and the external client have `ip_local_port_range 1024 65535` and `tcp_tw_reuse 1`, \
+so that tens of thousands of short connections do not run out of ports in any contender's run.\n\
+- **Traffic**: `epx-probe rate` (this repository): connect, read the answer, close, as fast as it goes, timing each \
+`connect()` (SYN → established, the first-packet latency); `rr`: one connection, 1000 request/response exchanges per second. \
+Cross-check: Debian's `ab -c 1` (ApacheBench, no keep-alive) against the same ClusterIP. CPU: system + softirq time of the \
+whole machine (`/proc/stat`) during the 1-client ClusterIP window, per 10 000 connections (client, server and proxy together).\n";
+
+const NOT_YET: &str = "\n## Not measured yet\n\n\
+These parts of the benchmark are not built yet (issue \"Benchmarks side by side with real kube-proxy\" stays open for them): \
+one long stream's throughput (iperf3), endpoint-change latency at N (p50/p99 over ≥ 20 changes), CPU and RSS during 60 s \
+of endpoint churn, the proxies' `network_programming_duration_seconds`, and the fleet part (100 agents and 100 \
+kube-proxies against one API server, the relist herd after an outage).\n";
