@@ -342,8 +342,8 @@ pub fn change_times(
     let key = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
         (meta.namespace.clone().unwrap_or_default(), meta.name.clone().unwrap_or_default())
     };
-    let before: BTreeMap<_, &EndpointSlice> = previous.slices.iter().map(|s| (key(&s.metadata), s)).collect();
-    let after: BTreeMap<_, &EndpointSlice> = current.slices.iter().map(|s| (key(&s.metadata), s)).collect();
+    let before: BTreeMap<_, &EndpointSlice> = previous.slices.iter().map(|s| (key(&s.metadata), &**s)).collect();
+    let after: BTreeMap<_, &EndpointSlice> = current.slices.iter().map(|s| (key(&s.metadata), &**s)).collect();
 
     let mut times = Vec::new();
     let mut without_time = before.keys().any(|k| !after.contains_key(k));
@@ -358,7 +358,7 @@ pub fn change_times(
         }
     }
     fn by_name(state: &ClusterState) -> BTreeMap<(Option<&String>, Option<&String>), &k8s_openapi::api::core::v1::Service> {
-        state.services.iter().map(|s| ((s.metadata.namespace.as_ref(), s.metadata.name.as_ref()), s)).collect()
+        state.services.iter().map(|s| ((s.metadata.namespace.as_ref(), s.metadata.name.as_ref()), &**s)).collect()
     }
     if by_name(previous) != by_name(current) || previous.node != current.node {
         without_time = true;
@@ -505,24 +505,24 @@ mod tests {
         let at = |text: &str| SystemTime::from(text.parse::<Timestamp>().unwrap());
         let started = at("2026-01-01T00:00:00Z");
         let received = at("2026-01-01T00:10:00Z");
-        let base = ClusterState { slices: vec![slice("a", "10.0.0.1", None)], ..Default::default() };
+        let base = ClusterState { slices: vec![slice("a", "10.0.0.1", None).into()], ..Default::default() };
 
         // Nothing changed (a retry): only the arrival (the caller passes it only for new views).
         assert_eq!(change_times(&base, &base, received, started), [received]);
 
         // A changed slice with the annotation: its time, not the arrival.
         let mut annotated = base.clone();
-        annotated.slices[0] = slice("a", "10.0.0.2", Some("2026-01-01T00:09:57Z"));
+        annotated.slices[0] = slice("a", "10.0.0.2", Some("2026-01-01T00:09:57Z")).into();
         assert_eq!(change_times(&base, &annotated, received, started), [at("2026-01-01T00:09:57Z")]);
 
         // An annotation from before the agent started is ignored; the arrival counts instead.
         let mut old = base.clone();
-        old.slices[0] = slice("a", "10.0.0.2", Some("2025-12-31T23:00:00Z"));
+        old.slices[0] = slice("a", "10.0.0.2", Some("2025-12-31T23:00:00Z")).into();
         assert_eq!(change_times(&base, &old, received, started), [received]);
 
         // A new annotated slice plus a deleted one: both times.
         let mut both = ClusterState::default();
-        both.slices.push(slice("b", "10.0.0.3", Some("2026-01-01T00:09:59.5Z")));
+        both.slices.push(slice("b", "10.0.0.3", Some("2026-01-01T00:09:59.5Z")).into());
         assert_eq!(change_times(&base, &both, received, started), [at("2026-01-01T00:09:59.5Z"), received]);
         assert!(received.duration_since(at("2026-01-01T00:09:59.5Z")).unwrap() == Duration::from_millis(500));
     }

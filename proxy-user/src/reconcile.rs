@@ -92,6 +92,10 @@ pub struct Reconciler<M> {
     strays: Vec<SvcKey>,
     next_backend_id: BackendId,
     next_rev_nat_id: RevNatId,
+    /// Reverse-NAT ids held by a frontend or an entry, as of this reconcile's start plus those
+    /// it allocated since (built once per reconcile: allocating for N new frontends is then
+    /// N log N, not N², which took seconds at 10 000 Services).
+    rev_nat_in_use: BTreeSet<RevNatId>,
     algorithm: LbAlgorithm,
     /// Maglev map contents: reverse-NAT id of an external frontend -> its table.
     maglev_tables: BTreeMap<RevNatId, Vec<BackendId>>,
@@ -248,6 +252,7 @@ impl<M: LbMaps> Reconciler<M> {
             strays,
             next_backend_id,
             next_rev_nat_id,
+            rev_nat_in_use: BTreeSet::new(),
             algorithm: LbAlgorithm::default(),
             maglev_tables,
             maglev_memo: BTreeMap::new(),
@@ -288,6 +293,8 @@ impl<M: LbMaps> Reconciler<M> {
     /// Brings the maps to `desired`, writing only what differs.
     pub fn reconcile(&mut self, desired: &DesiredState) -> ReconcileReport {
         let mut report = ReconcileReport::default();
+        self.rev_nat_in_use =
+            self.frontends.values().map(|f| f.rev_nat_id).chain(self.rev_nats.keys().copied()).collect();
 
         for key in std::mem::take(&mut self.strays) {
             match self.maps.delete_service(&key) {
@@ -520,12 +527,11 @@ impl<M: LbMaps> Reconciler<M> {
     }
 
     fn allocate_rev_nat_id(&mut self) -> Result<RevNatId, ReconcileError> {
-        let in_use: BTreeSet<RevNatId> =
-            self.frontends.values().map(|f| f.rev_nat_id).chain(self.rev_nats.keys().copied()).collect();
         let start = self.next_rev_nat_id;
         let mut id = start;
         loop {
-            if id != 0 && !in_use.contains(&id) {
+            if id != 0 && !self.rev_nat_in_use.contains(&id) {
+                self.rev_nat_in_use.insert(id);
                 self.next_rev_nat_id = id.wrapping_add(1);
                 return Ok(id);
             }

@@ -36,9 +36,9 @@ pub(super) struct MergedSlices {
     pub slice_names: BTreeMap<(String, String), Vec<String>>,
 }
 
-pub(super) fn merge_slices(slices: &[EndpointSlice], rejections: &mut Vec<Rejection>) -> MergedSlices {
+pub(super) fn merge_slices(slices: &[std::sync::Arc<EndpointSlice>], rejections: &mut Vec<Rejection>) -> MergedSlices {
     let mut merged = MergedSlices { by_service: BTreeMap::new(), slice_names: BTreeMap::new() };
-    let mut sorted: Vec<&EndpointSlice> = slices.iter().collect();
+    let mut sorted: Vec<&EndpointSlice> = slices.iter().map(|slice| &**slice).collect();
     // Deterministic: which copy of a duplicate endpoint is kept must not depend on list order.
     sorted.sort_by_key(|slice| object_name(&slice.metadata));
     for slice in sorted {

@@ -152,15 +152,15 @@ fn add_object(value: serde_yaml::Value, object: &str, state: &mut ClusterState, 
             }
         }
         ("v1", "Service") => match serde_yaml::from_value::<Service>(value) {
-            Ok(service) => state.services.push(service),
+            Ok(service) => state.services.push(service.into()),
             Err(error) => reject(error.to_string()),
         },
         ("discovery.k8s.io/v1", "EndpointSlice") => match serde_yaml::from_value::<EndpointSlice>(value) {
-            Ok(slice) => state.slices.push(slice),
+            Ok(slice) => state.slices.push(slice.into()),
             Err(error) => reject(error.to_string()),
         },
         ("v1", "Node") => match serde_yaml::from_value::<Node>(value) {
-            Ok(node) => state.node = Some(node),
+            Ok(node) => state.node = Some(node.into()),
             Err(error) => reject(error.to_string()),
         },
         _ => tracing::debug!(object, kind = meta.kind, "ignoring object of another kind"),

@@ -66,9 +66,9 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
 /// The objects of one kind as the last complete list plus later watch events say.
 struct KindStore<K> {
     kind: &'static str,
-    objects: BTreeMap<(String, String), K>,
+    objects: BTreeMap<(String, String), Arc<K>>,
     /// Objects of a relist in progress; swapped in at `InitDone`.
-    relist: Option<BTreeMap<(String, String), K>>,
+    relist: Option<BTreeMap<(String, String), Arc<K>>>,
     listed: bool,
     failing: bool,
 }
@@ -84,7 +84,7 @@ impl<K: Resource + Clone> KindStore<K> {
         match event {
             watcher::Event::Apply(object) => {
                 self.failing = false;
-                self.objects.insert(key(&object), object);
+                self.objects.insert(key(&object), Arc::new(object));
                 true
             }
             watcher::Event::Delete(object) => {
@@ -98,7 +98,7 @@ impl<K: Resource + Clone> KindStore<K> {
                 false
             }
             watcher::Event::InitApply(object) => {
-                self.relist.get_or_insert_with(BTreeMap::new).insert(key(&object), object);
+                self.relist.get_or_insert_with(BTreeMap::new).insert(key(&object), Arc::new(object));
                 false
             }
             watcher::Event::InitDone => {
@@ -110,27 +110,70 @@ impl<K: Resource + Clone> KindStore<K> {
         }
     }
 
-    fn snapshot(&self) -> Vec<K> {
+    fn snapshot(&self) -> Vec<Arc<K>> {
         self.objects.values().cloned().collect()
     }
 }
 
 fn watch<K>(api: Api<K>, config: watcher::Config) -> BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>
 where
-    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+    K: Trim + Clone + DeserializeOwned + Debug + Send + 'static,
 {
     watcher(api, config.timeout(WATCH_TIMEOUT_SECS))
         .default_backoff()
-        // managedFields and kubectl's last-applied copy are most of a small object's size and
-        // nothing the datapath needs: not kept (at 30 000 Services and slices, tens of MiB).
-        .modify(|object: &mut K| {
-            let meta = object.meta_mut();
-            meta.managed_fields = None;
-            if let Some(annotations) = meta.annotations.as_mut() {
-                annotations.remove("kubectl.kubernetes.io/last-applied-configuration");
-            }
-        })
+        .modify(Trim::trim)
         .boxed()
+}
+
+/// Only what the agent reads of an object is kept in its store: managedFields, kubectl's
+/// last-applied copy, owner references and the like are most of a small object's size (at
+/// 30 000 Services and slices, tens of MiB) and nothing the datapath needs.
+trait Trim: Resource {
+    fn trim(&mut self) {
+        let meta = self.meta_mut();
+        meta.managed_fields = None;
+        meta.owner_references = None;
+        meta.finalizers = None;
+        meta.uid = None;
+        meta.creation_timestamp = None;
+        meta.generation = None;
+        meta.generate_name = None;
+        // The only annotation read: when the endpoints last changed (network programming latency).
+        if let Some(annotations) = meta.annotations.as_mut() {
+            annotations.retain(|key, _| key == crate::metrics::ANNOTATION_LAST_CHANGE_TRIGGER_TIME);
+        }
+        self.trim_kind();
+    }
+
+    fn trim_kind(&mut self) {}
+}
+
+impl Trim for Service {}
+
+impl Trim for EndpointSlice {
+    fn trim_kind(&mut self) {
+        for endpoint in &mut self.endpoints {
+            // The Pod behind each endpoint (kind, name, namespace, uid, resourceVersion).
+            endpoint.target_ref = None;
+            endpoint.deprecated_topology = None;
+        }
+    }
+}
+
+impl Trim for Node {
+    fn trim_kind(&mut self) {
+        if let Some(status) = self.status.as_mut() {
+            // Addresses stay; the image list (often the largest part of a Node), conditions,
+            // volumes and versions are not read.
+            status.images = None;
+            status.conditions = None;
+            status.volumes_attached = None;
+            status.volumes_in_use = None;
+            status.node_info = None;
+            status.capacity = None;
+            status.allocatable = None;
+        }
+    }
 }
 
 struct Stores {

@@ -98,6 +98,25 @@ enum Cmd {
         to: SocketAddr,
         #[arg(long)]
         limit_ms: u64,
+        /// Wait until this server answers (default: any).
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// Short connections to ADDR at RATE per second; once NAME has answered, print `seen`; when
+    /// NAME has then not answered for QUIET_MS (or after LIMIT_MS), print a JSON line with the
+    /// wall-clock time (µs since the epoch) of NAME's last answer. For timing how long a
+    /// removed endpoint still gets new connections.
+    LastAnswer {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long)]
+        name: String,
+        #[arg(long, default_value_t = 2000)]
+        rate: u32,
+        #[arg(long, default_value_t = 1500)]
+        quiet_ms: u64,
+        #[arg(long, default_value_t = 30000)]
+        limit_ms: u64,
     },
     /// One connected UDP socket to ADDR, a request every INTERVAL for DURATION, as a client
     /// that keeps its socket (DNS resolvers, QUIC, game clients). On an error it reconnects.
@@ -573,6 +592,53 @@ fn rate(to: SocketAddr, clients: u32, duration: Duration, rr_rate: Option<u32>, 
     summary
 }
 
+#[derive(serde::Serialize)]
+struct LastAnswer {
+    /// Wall-clock time of NAME's last answer, µs since the epoch (None: it never answered).
+    last_us: Option<u64>,
+    connections: u64,
+    failed: u64,
+    /// Whether it stopped because NAME was quiet for the whole quiet window (not the limit).
+    quiet: bool,
+}
+
+fn unix_micros() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+}
+
+/// `epx-probe last-answer`: see the subcommand's help.
+fn last_answer(to: SocketAddr, name: &str, rate: u32, quiet: Duration, limit: Duration) -> LastAnswer {
+    let started = Instant::now();
+    let period = Duration::from_secs_f64(1.0 / f64::from(rate.max(1)));
+    let mut result = LastAnswer { last_us: None, connections: 0, failed: 0, quiet: false };
+    let mut last_seen: Option<Instant> = None;
+    let mut next = Instant::now();
+    while started.elapsed() < limit {
+        result.connections += 1;
+        match tcp_once(to, Duration::from_secs(1)) {
+            Ok(answer) if answer == name => {
+                if last_seen.is_none() {
+                    println!("seen");
+                    let _ = std::io::stdout().flush();
+                }
+                last_seen = Some(Instant::now());
+                result.last_us = Some(unix_micros());
+            }
+            Ok(_) => {}
+            Err(_) => result.failed += 1,
+        }
+        if last_seen.is_some_and(|seen| seen.elapsed() >= quiet) {
+            result.quiet = true;
+            break;
+        }
+        next += period;
+        if let Some(wait) = next.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+    }
+    result
+}
+
 fn steady(tcp: SocketAddr, udp: SocketAddr, rate: u32, streams: u32, duration: Duration) -> Steady {
     let until = Instant::now() + duration;
     let stream_threads: Vec<_> = (0..streams).map(|_| std::thread::spawn(move || stream(tcp, until))).collect();
@@ -603,9 +669,19 @@ fn main() {
         println!("{}", serde_json::to_string(&result).expect("serialisable"));
         return;
     }
-    if let Cmd::Wait { to, limit_ms } = cli.command {
+    if let Cmd::LastAnswer { to, name, rate, quiet_ms, limit_ms } = cli.command {
+        let result = last_answer(to, &name, rate, Duration::from_millis(quiet_ms), Duration::from_millis(limit_ms));
+        println!("{}", serde_json::to_string(&result).expect("serialisable"));
+        return;
+    }
+    if let Cmd::Wait { to, limit_ms, name } = cli.command {
         let deadline = Instant::now() + Duration::from_millis(limit_ms);
-        while tcp_once(to, Duration::from_millis(200)).is_err() {
+        let answered = |result: std::io::Result<String>| match (&name, result) {
+            (_, Err(_)) => false,
+            (None, Ok(_)) => true,
+            (Some(name), Ok(answer)) => &answer == name,
+        };
+        while !answered(tcp_once(to, Duration::from_millis(200))) {
             if Instant::now() > deadline {
                 eprintln!("epx-probe wait: {to} did not answer within {limit_ms} ms");
                 std::process::exit(1);
@@ -620,7 +696,7 @@ fn main() {
         return;
     }
     let summary = match cli.command {
-        Cmd::Steady { .. } | Cmd::UdpConnected { .. } | Cmd::Load { .. } | Cmd::Rate { .. } | Cmd::Wait { .. } => unreachable!("handled above"),
+        Cmd::Steady { .. } | Cmd::UdpConnected { .. } | Cmd::Load { .. } | Cmd::Rate { .. } | Cmd::Wait { .. } | Cmd::LastAnswer { .. } => unreachable!("handled above"),
         Cmd::Serve { name, tcp, udp, tcp_peer, http } => serve(name, tcp, udp, tcp_peer, http),
         Cmd::Tcp(a) => run_requests(a.count, || tcp_once_from(a.source_port, a.reset, a.to, Duration::from_millis(a.timeout_ms))),
         Cmd::Udp(a) => {

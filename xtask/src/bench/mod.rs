@@ -167,8 +167,8 @@ impl BenchNode {
     }
 
     /// Stops the proxy and removes everything it programmed (pins and checkpoint, or rules),
-    /// then starts a fresh process: a cold start.
-    fn cold_restart(&mut self) -> anyhow::Result<()> {
+    /// so that the next start is cold.
+    fn stop_and_clean(&mut self) -> anyhow::Result<()> {
         match &mut self.proxy {
             Proxy::None => Ok(()),
             Proxy::Ebpf { agent, .. } => {
@@ -176,12 +176,18 @@ impl BenchNode {
                 if agent.state_dir.exists() {
                     std::fs::remove_dir_all(&agent.state_dir)?;
                 }
-                agent.spawn()
+                Ok(())
             }
-            Proxy::KubeProxy(proxy) => {
-                proxy.stop_and_clean()?;
-                proxy.restart()
-            }
+            Proxy::KubeProxy(proxy) => proxy.stop_and_clean(),
+        }
+    }
+
+    /// Starts a fresh proxy process (after [`BenchNode::stop_and_clean`]).
+    fn start(&mut self) -> anyhow::Result<()> {
+        match &mut self.proxy {
+            Proxy::None => Ok(()),
+            Proxy::Ebpf { agent, .. } => agent.spawn(),
+            Proxy::KubeProxy(proxy) => proxy.restart(),
         }
     }
 
@@ -280,6 +286,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     scales.retain(|&n| n <= options.max_services.max(1));
     let window = options.window.unwrap_or(if options.quick { Duration::from_secs(1) } else { Duration::from_secs(5) });
     let rounds = options.rounds.unwrap_or(if options.quick { 1 } else { 3 });
+    let changes = if options.quick { 3 } else { 20 };
     let started = Instant::now();
     let mut report = Report::default();
     report.run = report::Run {
@@ -294,7 +301,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         ..Default::default()
     };
     // Steps: per N, the Services, 3 cold starts and rounds × 4 contenders × windows.
-    let mut progress = Progress { started, done: 0, total: 2 + scales.len() * (1 + 3 + rounds as usize * 4) };
+    let mut progress = Progress { started, done: 0, total: 2 + scales.len() * (2 + 3 + rounds as usize * 4) };
 
     progress.step("starting etcd and kube-apiserver");
     let mut cp_topo = Topology::new()?;
@@ -313,6 +320,12 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     let mut created = 0;
     for &n in &scales {
         check_interrupted()?;
+        // The proxies are stopped (and their state removed) while the Services are created:
+        // each is then started cold and timed, and none spends the machine's CPU re-syncing
+        // during the creation (kube-proxy's iptables mode takes minutes per sync at 10 000).
+        for node in &mut nodes {
+            node.stop_and_clean().with_context(|| format!("stopping {}", node.contender.name()))?;
+        }
         progress.step(&format!("N={n}: creating Services {created}..{n} and their EndpointSlices through the API"));
         let t = Instant::now();
         create_services(&api, created, n)?;
@@ -367,6 +380,17 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         for ((contender, metric), values) in samples {
             report.figures.push(figure(n, contender, metric, values));
         }
+
+        check_interrupted()?;
+        progress.step(&format!("N={n}: {changes} endpoint removals, timed until no new connection reaches the endpoint"));
+        for (contender, latencies) in endpoint_changes(&api, &nodes, n, changes).with_context(|| format!("endpoint changes at N={n}"))? {
+            let mut sorted = latencies.clone();
+            sorted.sort_by(|a, b| a.total_cmp(b));
+            let at = |q: f64| sorted[((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1];
+            eprintln!("    {contender}: p50 {:.0} ms, p99 {:.0} ms", at(0.5), at(0.99));
+            report.figures.push(Figure { n, contender: contender.into(), metric: "endpoint_change_p50".into(), value: at(0.5), samples: latencies.clone() });
+            report.figures.push(Figure { n, contender: contender.into(), metric: "endpoint_change_p99".into(), value: at(0.99), samples: latencies });
+        }
         for node in &nodes {
             if let Some(pid) = node.pid() {
                 let (rss, _) = memory_mib(pid)?;
@@ -378,7 +402,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     drop(nodes);
     drop(api);
     drop(cp_topo);
-    report::write(&options.out, &report)?;
+    report::write(&options.out, &report, true)?;
     eprintln!("report: {}", options.out.join("README.md").display());
     Ok(())
 }
@@ -395,10 +419,10 @@ fn figure(n: usize, contender: &str, metric: &str, samples: Vec<f64>) -> Figure 
 fn cold_start(node: &mut BenchNode, n: usize) -> anyhow::Result<(f64, f64, f64)> {
     let target = node.cluster_target(n);
     let started = Instant::now();
-    node.cold_restart()?;
+    node.start()?;
     let status = node
         .client_probe()?
-        .args(["wait", "--to", &target, "--limit-ms", "900000"])
+        .args(["wait", "--to", &target, "--limit-ms", "1800000"])
         .stdin(Stdio::null())
         .status()
         .context("running epx-probe wait")?;
@@ -478,18 +502,106 @@ fn ab_rate(node: &BenchNode, window: Duration) -> anyhow::Result<f64> {
     }
 }
 
+fn unix_micros() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+}
+
+/// The endpoints of the pool, without backend `be{without}` if given.
+fn pool_endpoints(without: Option<u8>) -> Vec<Endpoint> {
+    slice("x", 8080).endpoints.into_iter().enumerate().filter(|(b, _)| Some(*b as u8) != without).map(|(_, e)| e).collect()
+}
+
+/// `changes` times: backend be9 is removed from the newest Service's slice, and each proxy's
+/// client pod connects to the Service 2000 times a second until be9 has not answered for
+/// 1.5 s; the latency is the last answer from be9 minus the time of the write (so it includes
+/// the watch's delivery). be9 is then put back, and every proxy must route to it again before
+/// the next change. Returns the latencies (ms) per contender.
+fn endpoint_changes(api: &ControlPlane, nodes: &[BenchNode], n: usize, changes: u32) -> anyhow::Result<Vec<(&'static str, Vec<f64>)>> {
+    use std::io::{BufRead, BufReader};
+    const REMOVED: u8 = BACKENDS - 1;
+    let removed_name = format!("be{REMOVED}");
+    let service = format!("bench-{}", n - 1);
+    let target = format!("{}:80", service_ip(n - 1));
+    let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
+    let proxies: Vec<&BenchNode> = nodes.iter().filter(|node| node.contender != Contender::NoProxy).collect();
+    let mut latencies: Vec<(&'static str, Vec<f64>)> = proxies.iter().map(|node| (node.contender.name(), Vec::new())).collect();
+    let set_endpoints = |without: Option<u8>, at: u64| -> anyhow::Result<()> {
+        let seconds = (at / 1_000_000) as i64;
+        let trigger = format!("{}", k8s_openapi::jiff::Timestamp::from_second(seconds).map(|t| t.to_string()).unwrap_or_default());
+        let patch = serde_json::json!({
+            "metadata": { "annotations": { "endpoints.kubernetes.io/last-change-trigger-time": trigger } },
+            "endpoints": pool_endpoints(without),
+        });
+        api.block_on(slices.patch(&format!("{service}-pool"), &PatchParams::default(), &Patch::Merge(&patch)))
+            .with_context(|| format!("changing the endpoints of {service}"))?;
+        Ok(())
+    };
+    for _ in 0..changes {
+        check_interrupted()?;
+        let mut watchers = Vec::new();
+        for node in &proxies {
+            let mut child = node
+                .client_probe()?
+                .args(["last-answer", "--to", &target, "--name", &removed_name, "--quiet-ms", "1500", "--limit-ms", "30000"])
+                .stdout(Stdio::piped())
+                .stdin(Stdio::null())
+                .spawn()
+                .context("spawning epx-probe last-answer")?;
+            let mut reader = BufReader::new(child.stdout.take().context("stdout")?);
+            let mut line = String::new();
+            reader.read_line(&mut line)?;
+            if line.trim() != "seen" {
+                let _ = child.kill();
+                bail!("{}: {removed_name} never answered on {target} before the change ({line:?})", node.contender.name());
+            }
+            watchers.push((child, reader));
+        }
+        let written = unix_micros();
+        set_endpoints(Some(REMOVED), written)?;
+        for ((child, mut reader), (name, out)) in watchers.into_iter().zip(latencies.iter_mut()) {
+            let mut line = String::new();
+            reader.read_line(&mut line)?;
+            let mut child = child;
+            child.wait()?;
+            let answer: serde_json::Value = serde_json::from_str(line.trim()).with_context(|| format!("parsing {line:?}"))?;
+            if answer["quiet"] != true {
+                bail!("{name}: {removed_name} still got new connections 30 s after it was removed ({answer})");
+            }
+            let last = answer["last_us"].as_u64().context("no last answer")?;
+            out.push(last.saturating_sub(written) as f64 / 1000.0);
+        }
+        set_endpoints(None, unix_micros())?;
+        for node in &proxies {
+            let status = node
+                .client_probe()?
+                .args(["wait", "--to", &target, "--name", &removed_name, "--limit-ms", "30000"])
+                .stdin(Stdio::null())
+                .status()?;
+            if !status.success() {
+                bail!("{}: {removed_name} did not come back on {target} within 30 s", node.contender.name());
+            }
+        }
+    }
+    Ok(latencies)
+}
+
 fn clock_ticks() -> f64 {
     // SAFETY: sysconf has no preconditions.
     (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as f64
 }
 
-/// User + system CPU seconds of process `pid` so far.
+/// User + system CPU seconds of process `pid` so far, with those of the children it has
+/// waited for (kube-proxy's `iptables-restore` and `nft` runs).
 fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     let after = stat.rsplit_once(") ").context("malformed /proc/PID/stat")?.1;
     let fields: Vec<&str> = after.split_whitespace().collect();
-    // Fields 14 and 15 of stat(5): the list after the command starts at field 3.
-    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    // Fields 14-17 of stat(5) (utime, stime, cutime, cstime): the list after the command
+    // starts at field 3.
+    let mut ticks = 0.0;
+    for field in &fields[11..15] {
+        ticks += field.parse::<f64>()?;
+    }
     Ok(ticks / clock_ticks())
 }
 
@@ -659,5 +771,6 @@ fn versions() -> anyhow::Result<std::collections::BTreeMap<String, String>> {
 pub fn redraw(dir: &Path) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(dir.join("results.json")).with_context(|| format!("reading {}/results.json", dir.display()))?;
     let report: Report = serde_json::from_str(&text)?;
-    report::write(dir, &report)
+    // A report from an older version may lack figures added since: drawn as they are.
+    report::write(dir, &report, false)
 }

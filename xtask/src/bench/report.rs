@@ -69,6 +69,8 @@ pub const METRICS: &[Metric] = &[
     Metric { key: "rr_p50", title: "Request/response on one connection (1000/s) p50", unit: "µs", higher_is_better: false, proxies_only: false },
     Metric { key: "rr_p99", title: "Request/response on one connection (1000/s) p99", unit: "µs", higher_is_better: false, proxies_only: false },
     Metric { key: "cpu_per_10k", title: "System + softirq CPU per 10 000 ClusterIP connections (whole machine)", unit: "CPU s", higher_is_better: false, proxies_only: false },
+    Metric { key: "endpoint_change_p50", title: "One endpoint removed at N: API write → no new connection reaches it, p50", unit: "ms", higher_is_better: false, proxies_only: true },
+    Metric { key: "endpoint_change_p99", title: "One endpoint removed at N: API write → no new connection reaches it, p99", unit: "ms", higher_is_better: false, proxies_only: true },
     Metric { key: "cold_start", title: "Cold start: proxy started → the newest of N Services answers", unit: "s", higher_is_better: false, proxies_only: true },
     Metric { key: "cold_cpu", title: "Proxy CPU time during the cold start", unit: "CPU s", higher_is_better: false, proxies_only: true },
     Metric { key: "cold_peak_rss", title: "Proxy peak RSS during the cold start", unit: "MiB", higher_is_better: false, proxies_only: true },
@@ -113,9 +115,9 @@ impl Report {
     }
 }
 
-/// Writes `results.json`, `results.csv`, the plots and `README.md` into `dir`; fails if a
-/// figure or a plot is missing.
-pub fn write(dir: &Path, report: &Report) -> anyhow::Result<()> {
+/// Writes `results.json`, `results.csv`, the plots and `README.md` into `dir`; fails if a plot
+/// is missing, or (`strict`: the run that just measured them) a figure.
+pub fn write(dir: &Path, report: &Report, strict: bool) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(report)?)?;
     let mut csv = String::from("n,contender,metric,unit,value,samples\n");
@@ -130,7 +132,7 @@ pub fn write(dir: &Path, report: &Report) -> anyhow::Result<()> {
     }
     std::fs::write(dir.join("README.md"), markdown(report))?;
     let missing = report.missing();
-    if !missing.is_empty() {
+    if strict && !missing.is_empty() {
         bail!("the benchmark did not produce every figure:\n  {}", missing.join("\n  "));
     }
     for (file, ..) in PLOTS {
@@ -326,6 +328,7 @@ fn targets(report: &Report) -> String {
             row(format!("NodePort rate flat in N (N={last} ÷ N={first} ≥ 0.9)"), flat, 0.9, true);
         }
         row(format!("N={last}: cold start < 2 s after the agent starts"), report.value(last, "ebpf-proxy", "cold_start"), 2.0, false);
+        row(format!("N={last}: one endpoint change reaches the datapath < 50 ms p99 (watch included)"), report.value(last, "ebpf-proxy", "endpoint_change_p99"), 50.0, false);
         row(format!("N={last}: agent peak RSS < 100 MiB"), report.value(last, "ebpf-proxy", "cold_peak_rss"), 100.0, false);
     }
     out
@@ -348,16 +351,23 @@ Service (`bench-(N-1)`; `bench-0` for the NodePort).\n\
 frontends × (1 + backends) = 330 000 entries (the backend map holds each distinct endpoint once); `ebpf-proxy agent --help` says so at `--map-size-services`.\n\
 - **kube-proxy** v1.34 (`--proxy-mode iptables` or `nftables`, default sync settings), each in its own node namespace with \
 `--cluster-cidr 10.244.0.0/16 --nodeport-addresses 192.168.240.0/24 --conntrack-max-per-core 0` (`nf_conntrack_max` is \
-host-wide and read-only inside a namespace) and its Node object. A cold start is `kube-proxy --cleanup`, then a new process.\n\
+host-wide and read-only inside a namespace) and its Node object.\n\
+- **Cold start**: before the Services of each N are created, every proxy is stopped and its state removed (ebpf-proxy: \
+`ebpf-proxy cleanup` and its checkpoint; kube-proxy: `kube-proxy --cleanup`), so none re-syncs during the creation. Then each \
+is started alone, and timed from its process start until the newest Service answers from the client pod; its CPU time \
+(with the `iptables-restore`/`nft` children kube-proxy waited for) and peak RSS are read at that moment.\n\
 - **Client sockets**: the client pod and the external client have `ip_local_port_range 1024 65535` and `tcp_tw_reuse 1`, \
 so that tens of thousands of short connections do not run out of ports in any contender's run.\n\
 - **Traffic**: `epx-probe rate` (this repository): connect, read the answer, close, as fast as it goes, timing each \
 `connect()` (SYN → established, the first-packet latency); `rr`: one connection, 1000 request/response exchanges per second. \
+Endpoint changes: backend be9 is removed from the newest Service's slice (a merge patch through the API) while each proxy's \
+client pod connects 2000 times a second; the figure is be9's last answer minus the time of the write (so it includes the \
+watch's delivery), over 20 changes (3 in the quick run), be9 put back and routed to again by every proxy in between. \
 Cross-check: Debian's `ab -c 1` (ApacheBench, no keep-alive) against the same ClusterIP. CPU: system + softirq time of the \
 whole machine (`/proc/stat`) during the 1-client ClusterIP window, per 10 000 connections (client, server and proxy together).\n";
 
 const NOT_YET: &str = "\n## Not measured yet\n\n\
 These parts of the benchmark are not built yet (issue \"Benchmarks side by side with real kube-proxy\" stays open for them): \
-one long stream's throughput (iperf3), endpoint-change latency at N (p50/p99 over ≥ 20 changes), CPU and RSS during 60 s \
-of endpoint churn, the proxies' `network_programming_duration_seconds`, and the fleet part (100 agents and 100 \
+one long stream's throughput (iperf3), CPU and RSS during 60 s \
+of endpoint churn, the proxies' own `network_programming_duration_seconds`, and the fleet part (100 agents and 100 \
 kube-proxies against one API server, the relist herd after an outage).\n";
