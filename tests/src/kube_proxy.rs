@@ -54,6 +54,8 @@ pub struct Config {
 pub struct KubeProxy {
     pub config: Config,
     child: Option<Child>,
+    /// Run `kube-proxy --cleanup` on drop (not after [`KubeProxy::kill`]).
+    clean_on_drop: bool,
 }
 
 /// Where `kube-proxy` is.
@@ -66,7 +68,7 @@ pub fn binary() -> PathBuf {
 impl KubeProxy {
     /// Starts kube-proxy; returns at once (wait for its rules with traffic).
     pub fn start(config: Config) -> anyhow::Result<Self> {
-        let mut proxy = Self { config, child: None };
+        let mut proxy = Self { config, child: None, clean_on_drop: true };
         proxy.spawn()?;
         Ok(proxy)
     }
@@ -124,6 +126,16 @@ impl KubeProxy {
         Ok(())
     }
 
+    /// Kills it and leaves its rules to go with its namespace (no `--cleanup`, now or on drop:
+    /// with a ruleset of tens of thousands of Services that takes minutes).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.clean_on_drop = false;
+    }
+
     /// Starts it again after [`KubeProxy::stop_and_clean`].
     pub fn restart(&mut self) -> anyhow::Result<()> {
         if self.child.is_some() {
@@ -170,6 +182,10 @@ impl KubeProxy {
 
 impl Drop for KubeProxy {
     fn drop(&mut self) {
-        let _ = self.stop_and_clean();
+        if self.clean_on_drop {
+            let _ = self.stop_and_clean();
+        } else {
+            self.kill();
+        }
     }
 }

@@ -78,6 +78,10 @@ enum Task {
         /// Only redraw the report and plots in this directory from its results.json.
         #[arg(long, value_name = "DIR")]
         redraw: Option<PathBuf>,
+        /// Seconds a proxy may take after its cold start until the newest Service answers;
+        /// past that it is left out from that N on (the report says so).
+        #[arg(long, default_value_t = 600)]
+        cold_start_limit: u64,
     },
     /// A local control plane (etcd + kube-apiserver) in a network namespace, with a kubeconfig.
     Cluster {
@@ -253,6 +257,7 @@ fn bench_options(quick: bool, max_services: usize, out: Option<PathBuf>) -> benc
         window: None,
         rounds: None,
         command,
+        cold_start_limit: std::time::Duration::from_secs(600),
     }
 }
 
@@ -302,7 +307,7 @@ fn main() -> anyhow::Result<()> {
             cluster::up()
         }
         Task::Cluster { action: ClusterAction::Down } => cluster::down(),
-        Task::Bench { quick, max_services, window, rounds, out, redraw } => {
+        Task::Bench { quick, max_services, window, rounds, out, redraw, cold_start_limit } => {
             if let Some(dir) = redraw {
                 return bench::redraw(&dir);
             }
@@ -314,6 +319,16 @@ fn main() -> anyhow::Result<()> {
             let mut options = bench_options(quick, max_services, out);
             options.window = window.map(std::time::Duration::from_secs);
             options.rounds = rounds;
+            if let Some(window) = window {
+                options.command.push_str(&format!(" --window {window}"));
+            }
+            if let Some(rounds) = rounds {
+                options.command.push_str(&format!(" --rounds {rounds}"));
+            }
+            if cold_start_limit != 600 {
+                options.command.push_str(&format!(" --cold-start-limit {cold_start_limit}"));
+            }
+            options.cold_start_limit = std::time::Duration::from_secs(cold_start_limit);
             bench::run(&options)
         }
         Task::Peers => peers::run().map(|dir| println!("{}", dir.display())),

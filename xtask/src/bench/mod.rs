@@ -70,6 +70,9 @@ pub struct Options {
     pub window: Option<Duration>,
     pub rounds: Option<u32>,
     pub command: String,
+    /// A proxy whose newest Service does not answer this long after its cold start is left out
+    /// from that N on.
+    pub cold_start_limit: Duration,
 }
 
 /// The ClusterIP of Service `bench-i`: 10.96.1.1 onwards, 250 per /24.
@@ -107,6 +110,8 @@ enum Proxy {
 /// first, the namespaces last.
 struct BenchNode {
     contender: Contender,
+    /// Did not program the Services within the cold-start limit at some N: left out since.
+    dropped_out: bool,
     proxy: Proxy,
     _access: Option<Forwarder>,
     _servers: Vec<Server>,
@@ -128,7 +133,7 @@ impl BenchNode {
         }
         let ext = topo.add_external_client("ext")?;
         tune_client(&ext.netns)?;
-        let mut node = Self { contender, proxy: Proxy::None, _access: None, _servers: servers, ext, topo };
+        let mut node = Self { contender, dropped_out: false, proxy: Proxy::None, _access: None, _servers: servers, ext, topo };
         match contender {
             Contender::NoProxy => node.ext.route_via_node("10.244.1.0/24")?,
             Contender::Ebpf => {
@@ -179,6 +184,18 @@ impl BenchNode {
                 Ok(())
             }
             Proxy::KubeProxy(proxy) => proxy.stop_and_clean(),
+        }
+    }
+
+    /// Kills the proxy; what it programmed stays until the namespace goes (cleaning up a
+    /// ruleset it could not even program in time would take as long).
+    fn kill(&mut self) {
+        match &mut self.proxy {
+            Proxy::None => {}
+            Proxy::Ebpf { agent, .. } => {
+                let _ = agent.kill();
+            }
+            Proxy::KubeProxy(proxy) => proxy.kill(),
         }
     }
 
@@ -302,7 +319,33 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     };
     // Steps: per N, the Services, 3 cold starts and rounds × 4 contenders × windows.
     let mut progress = Progress { started, done: 0, total: 2 + scales.len() * (2 + 3 + rounds as usize * 4) };
+    let plan = Plan { scales, window, rounds, changes, cold_start_limit: options.cold_start_limit };
+    let measured = measure(&plan, &mut report, &mut progress);
+    report.run.duration_s = started.elapsed().as_secs_f64();
+    if let Err(error) = &measured {
+        // What was measured before the failure (or Ctrl-C) is still written, marked incomplete.
+        report.run.incomplete = Some(format!("{error:#}"));
+        eprintln!("the benchmark stopped early; writing what it measured: {error:#}");
+        report::write(&options.out, &report, false)?;
+        eprintln!("partial report: {}", options.out.join("README.md").display());
+        return measured;
+    }
+    report::write(&options.out, &report, true)?;
+    eprintln!("report: {}", options.out.join("README.md").display());
+    Ok(())
+}
 
+struct Plan {
+    scales: Vec<usize>,
+    window: Duration,
+    rounds: u32,
+    changes: u32,
+    cold_start_limit: Duration,
+}
+
+fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow::Result<()> {
+    let Plan { scales, window, rounds, changes, cold_start_limit } = plan;
+    let (window, rounds, changes) = (*window, *rounds, *changes);
     progress.step("starting etcd and kube-apiserver");
     let mut cp_topo = Topology::new()?;
     let api = ControlPlane::start(&mut cp_topo)?;
@@ -318,12 +361,12 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     }
 
     let mut created = 0;
-    for &n in &scales {
+    for &n in scales {
         check_interrupted()?;
         // The proxies are stopped (and their state removed) while the Services are created:
         // each is then started cold and timed, and none spends the machine's CPU re-syncing
         // during the creation (kube-proxy's iptables mode takes minutes per sync at 10 000).
-        for node in &mut nodes {
+        for node in nodes.iter_mut().filter(|node| !node.dropped_out) {
             node.stop_and_clean().with_context(|| format!("stopping {}", node.contender.name()))?;
         }
         progress.step(&format!("N={n}: creating Services {created}..{n} and their EndpointSlices through the API"));
@@ -332,22 +375,35 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         eprintln!("    {} Services and slices created in {:.1?}", n - created, t.elapsed());
         created = n;
 
-        for node in nodes.iter_mut().filter(|node| node.contender != Contender::NoProxy) {
+        for node in nodes.iter_mut().filter(|node| node.contender != Contender::NoProxy && !node.dropped_out) {
             check_interrupted()?;
-            progress.step(&format!("N={n}: cold start of {}", node.contender.name()));
-            let cold = cold_start(node, n).with_context(|| format!("cold start of {} at N={n}", node.contender.name()))?;
-            eprintln!("    answers after {:.2} s, {:.2} CPU s, peak RSS {:.1} MiB", cold.0, cold.1, cold.2);
             let name = node.contender.name();
-            report.figures.push(figure(n, name, "cold_start", vec![cold.0]));
-            report.figures.push(figure(n, name, "cold_cpu", vec![cold.1]));
-            report.figures.push(figure(n, name, "cold_peak_rss", vec![cold.2]));
+            progress.step(&format!("N={n}: cold start of {name}"));
+            match cold_start(node, n, *cold_start_limit).with_context(|| format!("cold start of {name} at N={n}"))? {
+                Some(cold) => {
+                    eprintln!("    answers after {:.2} s, {:.2} CPU s, peak RSS {:.1} MiB", cold.0, cold.1, cold.2);
+                    report.figures.push(figure(n, name, "cold_start", vec![cold.0]));
+                    report.figures.push(figure(n, name, "cold_cpu", vec![cold.1]));
+                    report.figures.push(figure(n, name, "cold_peak_rss", vec![cold.2]));
+                }
+                None => {
+                    // Not programmed within the limit: it is left out from here on (this N's
+                    // windows and every larger N), and the report says so.
+                    let what = format!("the newest Service did not answer within {cold_start_limit:?} of its cold start; left out at N ≥ {n}");
+                    eprintln!("    {what}");
+                    report.run.dropped.push(report::Dropped { n, contender: name.into(), why: what });
+                    node.kill();
+                    node.dropped_out = true;
+                }
+            }
         }
+        let nodes_in: Vec<usize> = (0..nodes.len()).filter(|&i| !nodes[i].dropped_out).collect();
 
         let mut samples: std::collections::BTreeMap<(&str, &str), Vec<f64>> = Default::default();
         for round in 0..rounds as usize {
-            for k in 0..nodes.len() {
+            for k in 0..nodes_in.len() {
                 check_interrupted()?;
-                let node = &nodes[(k + round) % nodes.len()];
+                let node = &nodes[nodes_in[(k + round) % nodes_in.len()]];
                 let name = node.contender.name();
                 progress.step(&format!("N={n}: data path of {name}, round {}/{rounds}", round + 1));
                 // On a shared machine (a VM) the hypervisor may take the CPUs away for a while:
@@ -391,19 +447,16 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
             report.figures.push(Figure { n, contender: contender.into(), metric: "endpoint_change_p50".into(), value: at(0.5), samples: latencies.clone() });
             report.figures.push(Figure { n, contender: contender.into(), metric: "endpoint_change_p99".into(), value: at(0.99), samples: latencies });
         }
-        for node in &nodes {
+        for node in nodes.iter().filter(|node| !node.dropped_out) {
             if let Some(pid) = node.pid() {
                 let (rss, _) = memory_mib(pid)?;
                 report.figures.push(figure(n, node.contender.name(), "rss", vec![rss]));
             }
         }
     }
-    report.run.duration_s = started.elapsed().as_secs_f64();
     drop(nodes);
     drop(api);
     drop(cp_topo);
-    report::write(&options.out, &report, true)?;
-    eprintln!("report: {}", options.out.join("README.md").display());
     Ok(())
 }
 
@@ -416,19 +469,23 @@ fn figure(n: usize, contender: &str, metric: &str, samples: Vec<f64>) -> Figure 
 
 /// Cold-starts `node`'s proxy and waits until the newest Service answers from the client pod:
 /// (seconds, proxy CPU seconds, proxy peak RSS MiB) at that moment.
-fn cold_start(node: &mut BenchNode, n: usize) -> anyhow::Result<(f64, f64, f64)> {
+/// (None: it did not answer within `limit`.)
+fn cold_start(node: &mut BenchNode, n: usize, limit: Duration) -> anyhow::Result<Option<(f64, f64, f64)>> {
     let target = node.cluster_target(n);
     let started = Instant::now();
     node.start()?;
     let status = node
         .client_probe()?
-        .args(["wait", "--to", &target, "--limit-ms", "1800000"])
+        .args(["wait", "--to", &target, "--limit-ms", &limit.as_millis().to_string()])
         .stdin(Stdio::null())
         .status()
         .context("running epx-probe wait")?;
     let elapsed = started.elapsed().as_secs_f64();
     if !status.success() {
-        bail!("{target} never answered after the cold start");
+        if let Proxy::KubeProxy(proxy) = &mut node.proxy {
+            proxy.check_running()?;
+        }
+        return Ok(None);
     }
     let pid = node.pid().context("the proxy is not running")?;
     let cpu = cpu_seconds(pid)?;
@@ -436,7 +493,7 @@ fn cold_start(node: &mut BenchNode, n: usize) -> anyhow::Result<(f64, f64, f64)>
     if let Proxy::KubeProxy(proxy) = &mut node.proxy {
         proxy.check_running()?;
     }
-    Ok((elapsed, cpu, peak))
+    Ok(Some((elapsed, cpu, peak)))
 }
 
 struct Windows {
@@ -523,7 +580,7 @@ fn endpoint_changes(api: &ControlPlane, nodes: &[BenchNode], n: usize, changes: 
     let service = format!("bench-{}", n - 1);
     let target = format!("{}:80", service_ip(n - 1));
     let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
-    let proxies: Vec<&BenchNode> = nodes.iter().filter(|node| node.contender != Contender::NoProxy).collect();
+    let proxies: Vec<&BenchNode> = nodes.iter().filter(|node| node.contender != Contender::NoProxy && !node.dropped_out).collect();
     let mut latencies: Vec<(&'static str, Vec<f64>)> = proxies.iter().map(|node| (node.contender.name(), Vec::new())).collect();
     let set_endpoints = |without: Option<u8>, at: u64| -> anyhow::Result<()> {
         let seconds = (at / 1_000_000) as i64;

@@ -39,6 +39,19 @@ pub struct Run {
     /// Rounds measured again, and why.
     #[serde(default)]
     pub notes: Vec<String>,
+    /// Contenders left out from some N on, and why.
+    #[serde(default)]
+    pub dropped: Vec<Dropped>,
+    /// Why the run stopped before it measured everything (a partial report).
+    #[serde(default)]
+    pub incomplete: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Dropped {
+    pub n: usize,
+    pub contender: String,
+    pub why: String,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -99,8 +112,9 @@ impl Report {
         let mut missing = Vec::new();
         for &n in &self.run.scales {
             for contender in CONTENDERS {
+                let dropped = self.run.dropped.iter().any(|d| d.contender == *contender && d.n <= n);
                 for m in METRICS {
-                    if m.proxies_only && *contender == "no-proxy" {
+                    if (m.proxies_only && *contender == "no-proxy") || dropped {
                         continue;
                     }
                     match self.value(n, contender, m.key) {
@@ -167,8 +181,9 @@ fn plot(path: &Path, report: &Report, key: &str, label: &str, log_y: bool) -> an
         .collect();
     let values: Vec<f64> = series.iter().flat_map(|(_, _, p)| p.iter().map(|(_, v)| *v)).filter(|v| v.is_finite()).collect();
     let max_n = report.run.scales.iter().copied().max().unwrap_or(1).max(10) as f64;
-    let y_max = values.iter().copied().fold(0.0f64, f64::max).max(1e-3) * 1.15;
-    let y_min = values.iter().copied().fold(f64::INFINITY, f64::min).clamp(1e-3, y_max / 2.0);
+    // An empty plot (every contender left out) still gets a valid range.
+    let y_max = values.iter().copied().fold(0.0f64, f64::max).max(1.0) * 1.15;
+    let y_min = values.iter().copied().fold(f64::INFINITY, f64::min).min(y_max / 2.0).max(1e-3);
     let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE)?;
     let caption = format!("{} vs number of Services", m.title);
@@ -233,6 +248,16 @@ pub fn markdown(report: &Report) -> String {
         run.duration_s / 60.0,
         "Raw figures: [results.json](results.json), [results.csv](results.csv) (every sample; the plots can be redrawn from them with `cargo xtask bench --redraw DIR`)."
     );
+    if let Some(why) = &run.incomplete {
+        let _ = writeln!(md, "**This run stopped before it measured everything** ({why}); the figures below are those it had.\n");
+    }
+    if !run.dropped.is_empty() {
+        let _ = writeln!(md, "**Left out**:\n");
+        for d in &run.dropped {
+            let _ = writeln!(md, "- {} at N = {}: {}", d.contender, d.n, d.why);
+        }
+        let _ = writeln!(md);
+    }
     let _ = writeln!(md, "## Machine and versions\n");
     for (k, v) in run.machine.iter().chain(run.versions.iter()) {
         let _ = writeln!(md, "- **{k}**: {v}");
