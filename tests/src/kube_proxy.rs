@@ -14,6 +14,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -78,6 +79,17 @@ impl KubeProxy {
         let log = fs::OpenOptions::new().create(true).append(true).open(&c.log).with_context(|| format!("opening {}", c.log.display()))?;
         let mut command = Command::new(binary());
         enter_netns_on_exec(&mut command, &c.netns)?;
+        // It dies with the harness, even a SIGKILLed one (Drop never runs then): a kube-proxy
+        // left behind keeps its deleted namespace alive and retries its API forever.
+        // SAFETY: prctl(2) is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         let child = command
             .arg(format!("--proxy-mode={}", c.mode.flag()))
             .arg(format!("--kubeconfig={}", c.kubeconfig.display()))
