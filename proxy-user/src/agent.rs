@@ -33,6 +33,10 @@ struct Status {
     oldest_unprogrammed_change: Option<Instant>,
     /// The first failure of the last sync, while the datapath lacks part of the desired state.
     datapath_error: Option<String>,
+    /// Syncs that changed what the checkpoint should hold, and how many of them the file on
+    /// disk reflects (`/healthz` says `checkpointCurrent` when they are equal).
+    checkpoint_wanted: u64,
+    checkpoint_written: u64,
     metrics: SyncMetrics,
 }
 
@@ -148,17 +152,18 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let mut retry = tokio::time::interval(std::time::Duration::from_secs(1));
     let mut failing = false;
     let mut reported: BTreeSet<String> = BTreeSet::new();
-    let mut checkpointed: Option<desired::DesiredState> = None;
+    // The checkpoint is written off the loop, at most once per tick: at 30 000 Services writing
+    // it takes longer than programming a change, and a burst of changes needs one write.
+    let mut checkpoint_tick = tokio::time::interval(CHECKPOINT_INTERVAL);
+    checkpoint_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut checkpoint_writer: Option<tokio::task::JoinHandle<()>> = None;
+    let flows_purge = Arc::new(BackgroundJob::default());
+    // The desired state, updated with what each view changed; the first pass compares it with
+    // everything the maps hold (adopted or restored), later ones only what changed.
+    let mut desired_state = desired::Incremental::default();
+    let mut first_pass = true;
     tracing::info!("waiting for a complete view from the source before changing anything");
 
-    // UDP backends of the last computation: a connected UDP socket to one that disappears is
-    // aborted. Seeded from the maps as adopted (or restored), so that a backend removed while
-    // the agent was down is noticed at its first sync too.
-    let mut udp_backends: BTreeSet<std::net::SocketAddr> = reconciler
-        .programmed_backend_addrs()
-        .filter(|b| b.proto == desired::Proto::Udp)
-        .map(|b| std::net::SocketAddr::new(b.addr, b.port))
-        .collect();
     loop {
         tokio::select! {
             changed = source.generation.changed() => if changed.is_err() { anyhow::bail!("the source stopped") },
@@ -166,6 +171,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             _ = address_poll.tick() => if crate::netif::node_addresses().ok().as_ref() == Some(&config.interface_addresses) { continue },
             _ = conntrack_gc.tick() => {
                 remove_expired_flows(&args.bpffs);
+                continue;
+            }
+            _ = checkpoint_tick.tick() => {
+                write_checkpoint(&args.state_dir, desired_state.state(), &status, &mut checkpoint_writer);
                 continue;
             }
             _ = sigterm.recv() => break,
@@ -179,7 +188,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         let snapshot = (source.read)();
         if let Some(changed_at) = snapshot.changed_at {
             let received = SystemTime::now().checked_sub(changed_at.elapsed()).unwrap_or(agent_started);
-            unprogrammed_changes.extend(metrics::change_times(&last_view, &snapshot.cluster, received, agent_started));
+            match &snapshot.change_times {
+                Some(times) => unprogrammed_changes.extend(metrics::recorded_change_times(times, received, agent_started)),
+                None => unprogrammed_changes.extend(metrics::change_times(&last_view, &snapshot.cluster, received, agent_started)),
+            }
             status.lock().expect("status lock").oldest_unprogrammed_change.get_or_insert(changed_at);
         }
         match crate::netif::node_addresses() {
@@ -193,20 +205,24 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             Ok(_) => {}
             Err(error) => tracing::warn!("cannot read the node's addresses, keeping the last ones: {error}"),
         }
-        let desired = desired::compute(&snapshot.cluster, &config);
+        let changed = desired_state.update(&snapshot.cluster, &config, &snapshot.changes);
+        let desired = desired_state.state();
         let rejections: Vec<_> = snapshot.rejections.iter().chain(&desired.rejections).collect();
-        let report = reconciler.reconcile(&desired);
+        let report = if first_pass { reconciler.reconcile(desired) } else { reconciler.reconcile_changed(desired, &changed) };
+        first_pass = false;
         let elapsed = started.elapsed();
-        abort_udp_sockets_to_gone_backends(&cgroup, &mut udp_backends, &desired);
+        // Local clients' connected UDP sockets were translated once, at connect(): those to a
+        // backend that left every Service are aborted so the clients reconnect to a live one.
+        let gone_udp: BTreeSet<std::net::SocketAddr> = report
+            .removed_backends
+            .iter()
+            .filter(|b| b.proto == desired::Proto::Udp && !reconciler.has_backend(b))
+            .map(|b| std::net::SocketAddr::new(b.addr, b.port))
+            .collect();
+        abort_udp_sockets(&cgroup, gone_udp);
         if report.writes > 0 {
             // Affinity and UDP flows that point at a backend their frontend no longer has.
-            match kernel::purge_stale_flows(&args.bpffs) {
-                Ok(purged) if purged != kernel::PurgedFlows::default() => {
-                    tracing::info!(affinity = purged.affinity, udp_conntrack = purged.udp_conntrack, "purged flows of removed backends");
-                }
-                Ok(_) => {}
-                Err(error) => tracing::warn!("cannot purge flows of removed backends: {}", error_chain(&error)),
-            }
+            purge_stale_flows(&args.bpffs, &flows_purge);
         }
 
         // Each problem is logged once while it persists, not on every retry.
@@ -226,7 +242,9 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         failing = !report.failures.is_empty();
 
         health_checks.sync(&healthcheck::health_checks(&snapshot.cluster, &args.node_name)).await;
-        last_view = snapshot.cluster;
+        if snapshot.change_times.is_none() {
+            last_view = snapshot.cluster;
+        }
 
         let mut st = status.lock().expect("status lock");
         for rejection in new_rejections {
@@ -234,10 +252,12 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         }
         st.metrics.frontends = reconciler.programmed_frontends();
         st.metrics.backends = reconciler.programmed_backends();
-        st.metrics.services = metrics::programmed_services(
-            desired.frontends.values().map(|spec| &spec.service),
-            report.failures.iter().map(|f| f.what.as_str()),
-        );
+        if report.writes > 0 || !report.failures.is_empty() || st.metrics.syncs == 0 {
+            st.metrics.services = metrics::programmed_services(
+                desired.frontends.values().map(|spec| &spec.service),
+                report.failures.iter().map(|f| f.what.as_str()),
+            );
+        }
         st.metrics.rejected_now = rejections.len();
         st.metrics.health_check_ports = health_checks.open_ports();
         st.metrics.sync_duration.observe(elapsed.as_secs_f64());
@@ -259,11 +279,8 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
                 let latency = now.duration_since(changed).unwrap_or_default();
                 st.metrics.network_programming.observe(latency.as_secs_f64());
             }
-            if checkpointed.as_ref().map(|c| &c.frontends) != Some(&desired.frontends) {
-                match checkpoint::save(&args.state_dir, &desired) {
-                    Ok(()) => checkpointed = Some(desired.clone()),
-                    Err(error) => tracing::warn!("cannot write the checkpoint: {}", error_chain(&error)),
-                }
+            if report.writes > 0 || st.metrics.syncs == 1 {
+                st.checkpoint_wanted += 1;
             }
         }
         if report.writes > 0 || failing || st.metrics.syncs == 1 {
@@ -277,8 +294,88 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             );
         }
     }
+    // What the last syncs programmed reaches the checkpoint before the agent goes (an upgrade
+    // or a reboot right after a change must not restore an older state).
+    if let Some(writer) = checkpoint_writer.take() {
+        let _ = writer.await;
+    }
+    write_checkpoint(&args.state_dir, desired_state.state(), &status, &mut checkpoint_writer);
+    if let Some(writer) = checkpoint_writer.take() {
+        let _ = writer.await;
+    }
     tracing::info!("stopping; the datapath stays attached and keeps serving the last state (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// How often the checkpoint may be written while changes keep coming.
+const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Writes the checkpoint in the background if a sync changed what it should hold and no write
+/// is under way; the copy handed over shares the specs (`Arc`), so it costs the loop little.
+fn write_checkpoint(
+    state_dir: &std::path::Path,
+    desired: &desired::DesiredState,
+    status: &Arc<Mutex<Status>>,
+    writer: &mut Option<tokio::task::JoinHandle<()>>,
+) {
+    if writer.as_ref().is_some_and(|w| !w.is_finished()) {
+        return;
+    }
+    let wanted = {
+        let st = status.lock().expect("status lock");
+        if st.checkpoint_wanted == st.checkpoint_written {
+            return;
+        }
+        st.checkpoint_wanted
+    };
+    let state = desired::DesiredState { frontends: desired.frontends.clone(), rejections: Vec::new() };
+    let (state_dir, status) = (state_dir.to_owned(), status.clone());
+    *writer = Some(tokio::task::spawn_blocking(move || match checkpoint::save(&state_dir, &state) {
+        Ok(()) => status.lock().expect("status lock").checkpoint_written = wanted,
+        Err(error) => tracing::warn!("cannot write the checkpoint: {}", error_chain(&error)),
+    }));
+}
+
+/// A blocking job that runs at most once at a time; asked again while it runs, it runs once
+/// more afterwards (so the last request is always served).
+#[derive(Default)]
+struct BackgroundJob {
+    running: std::sync::atomic::AtomicBool,
+    again: std::sync::atomic::AtomicBool,
+}
+
+impl BackgroundJob {
+    fn request(self: &Arc<Self>, job: impl Fn() + Send + 'static) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.again.store(true, SeqCst);
+        if self.running.swap(true, SeqCst) {
+            return;
+        }
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || loop {
+            while this.again.swap(false, SeqCst) {
+                job();
+            }
+            this.running.store(false, SeqCst);
+            // A request that came between the last run and the store above.
+            if !this.again.load(SeqCst) || this.running.swap(true, SeqCst) {
+                break;
+            }
+        });
+    }
+}
+
+/// Deletes affinity entries and UDP conntrack entries that point at a backend their frontend
+/// no longer has, off the loop (it scans the flow tables).
+fn purge_stale_flows(bpffs: &std::path::Path, job: &Arc<BackgroundJob>) {
+    let bpffs = bpffs.to_owned();
+    job.request(move || match kernel::purge_stale_flows(&bpffs) {
+        Ok(purged) if purged != kernel::PurgedFlows::default() => {
+            tracing::info!(affinity = purged.affinity, udp_conntrack = purged.udp_conntrack, "purged flows of removed backends");
+        }
+        Ok(_) => {}
+        Err(error) => tracing::warn!("cannot purge flows of removed backends: {}", error_chain(&error)),
+    });
 }
 
 /// Tells the kernel programs which SNAT ports they may use: `--snat-port-range` without the
@@ -314,23 +411,8 @@ fn remove_expired_flows(bpffs: &std::path::Path) {
     });
 }
 
-/// Local clients' connected UDP sockets were translated once, at connect(); those whose backend
-/// left the desired state are aborted (in the background) so the clients reconnect to a live one.
-fn abort_udp_sockets_to_gone_backends(
-    cgroup: &std::path::Path,
-    previous: &mut BTreeSet<std::net::SocketAddr>,
-    desired: &desired::DesiredState,
-) {
-    let current: BTreeSet<std::net::SocketAddr> = desired
-        .frontends
-        .values()
-        .flat_map(|spec| &spec.backends)
-        .map(|b| b.addr)
-        .filter(|b| b.proto == desired::Proto::Udp)
-        .map(|b| std::net::SocketAddr::new(b.addr, b.port))
-        .collect();
-    let gone: BTreeSet<_> = previous.difference(&current).copied().collect();
-    *previous = current;
+/// Aborts (in the background) local clients' connected UDP sockets to `gone` backends.
+fn abort_udp_sockets(cgroup: &std::path::Path, gone: BTreeSet<std::net::SocketAddr>) {
     if gone.is_empty() {
         return;
     }
@@ -419,6 +501,7 @@ fn healthz(status: &Mutex<Status>, source: &SourceHealth, stale_after: Duration,
                 "staleAfterSeconds": stale_after.as_secs_f64(),
                 "datapathError": st.datapath_error,
                 "restoredFromCheckpoint": st.restored_from_checkpoint,
+                "checkpointCurrent": st.checkpoint_wanted == st.checkpoint_written,
             });
             Response::json(if health.healthy { 200 } else { 503 }, body.to_string())
         }

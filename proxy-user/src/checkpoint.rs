@@ -156,7 +156,7 @@ pub fn load(state_dir: &Path) -> Result<Option<DesiredState>, CheckpointError> {
         let local: BTreeSet<(IpAddr, u16)> = entry.local_backends.into_iter().collect();
         frontends.insert(
             Frontend { addr: entry.ip, port: entry.port, proto, scope },
-            FrontendSpec {
+            std::sync::Arc::new(FrontendSpec {
                 service: ServicePortName { namespace: entry.namespace, name: entry.name, port: entry.port_name },
                 kind: entry.kind,
                 local_only: entry.local_only,
@@ -169,7 +169,7 @@ pub fn load(state_dir: &Path) -> Result<Option<DesiredState>, CheckpointError> {
                         local: local.contains(&(addr, port)),
                     })
                     .collect(),
-            },
+            }),
         );
     }
     Ok(Some(DesiredState { frontends, rejections: Vec::new() }))
@@ -187,7 +187,7 @@ mod tests {
         let entry = |addr: &str, port, scope, kind, local_only, affinity_timeout, backends| {
             let frontend = Frontend { addr: addr.parse().unwrap(), port, proto: Proto::Udp, scope };
             let service = ServicePortName { namespace: "kube-system".into(), name: "kube-dns".into(), port: "dns".into() };
-            (frontend, FrontendSpec { service, kind, local_only, affinity_timeout, backends })
+            (frontend, std::sync::Arc::new(FrontendSpec { service, kind, local_only, affinity_timeout, backends }))
         };
         let mut state = DesiredState::default();
         state.frontends.extend([

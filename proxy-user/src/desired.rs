@@ -11,10 +11,11 @@
 //! traffic policy makes them differ.
 
 mod endpoints;
+mod incremental;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -24,7 +25,8 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde::{Deserialize, Serialize};
 
 use crate::ipparse::{parse_ip_sloppy, special_address, Cidr};
-use endpoints::{categorize, merge_slices, Categorized, NodeView, ServiceEndpoints};
+use endpoints::{categorize, Categorized, NodeView, ServiceEndpoints};
+pub use incremental::{group, service_key, slice_service_key, Changes, Incremental, ServiceKey, ServiceObjects};
 
 /// Label tying an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -253,7 +255,9 @@ impl fmt::Display for Rejection {
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredState {
-    pub frontends: BTreeMap<Frontend, FrontendSpec>,
+    /// Shared (`Arc`): a Service's internal and external entries are usually the same, and a
+    /// copy for the checkpoint writer costs pointers, not specs.
+    pub frontends: BTreeMap<Frontend, Arc<FrontendSpec>>,
     pub rejections: Vec<Rejection>,
 }
 
@@ -337,77 +341,12 @@ impl Candidate {
     }
 }
 
-/// Computes what the datapath should hold. Pure: same input, same output.
+/// Computes what the datapath should hold. Pure: same input, same output. The agent keeps an
+/// [`Incremental`] instead and feeds it only what changed; this is the same code fed everything.
 pub fn compute(cluster: &ClusterState, config: &NodeConfig) -> DesiredState {
-    let mut state = DesiredState::default();
-    let merged = merge_slices(&cluster.slices, &mut state.rejections);
-
-    let mut services: Vec<&Service> = cluster.services.iter().map(|service| &**service).collect();
-    // Deterministic order, so the winner of a frontend collision does not depend on list order.
-    services.sort_by_key(|service| object_name(&service.metadata));
-
-    let existing: BTreeSet<(String, String)> = services.iter().map(|s| object_name(&s.metadata)).collect();
-    for (service, slices) in &merged.slice_names {
-        if !existing.contains(service) {
-            for slice in slices {
-                state.rejections.push(Rejection {
-                    object: format!("EndpointSlice {}/{slice}", service.0),
-                    reason: format!("its Service {}/{} does not exist", service.0, service.1),
-                });
-            }
-        }
-    }
-
-    let own_node = cluster.node.as_deref().filter(|node| node.metadata.name.as_deref() == Some(config.node_name.as_str()));
-    let node = ThisNode {
-        name: &config.node_name,
-        zone: own_node.and_then(|n| n.metadata.labels.as_ref()).and_then(|l| l.get(LABEL_ZONE)).map(String::as_str),
-        addresses: &config.interface_addresses,
-        nodeport_addresses: nodeport_addresses(config, own_node),
-    };
-
-    let mut candidates = Vec::new();
-    for service in services {
-        let (namespace, name) = object_name(&service.metadata);
-        let service_endpoints = merged.by_service.get(&(namespace.clone(), name.clone()));
-        let mut service_rejections = Vec::new();
-        service_candidates(service, service_endpoints, &node, &mut candidates, &mut service_rejections);
-        let object = format!("Service {namespace}/{name}");
-        state.rejections.extend(service_rejections.into_iter().map(|reason| Rejection { object: object.clone(), reason }));
-    }
-
-    candidates.sort_by_key(|(_, candidate)| candidate.phase());
-    for (object, candidate) in candidates {
-        let internal = Frontend { addr: candidate.addr, port: candidate.port, proto: candidate.proto, scope: Scope::Internal };
-        if let Some(owner) = state.frontends.get(&internal) {
-            state.rejections.push(Rejection {
-                object,
-                reason: format!(
-                    "{} {internal} of port {:?} is already used by Service {} as its {}",
-                    candidate.kind.name(),
-                    candidate.service.port,
-                    owner.service,
-                    owner.kind.name()
-                ),
-            });
-            continue;
-        }
-        for (scope, (backends, local_only)) in [(Scope::Internal, candidate.internal), (Scope::External, candidate.external)] {
-            state.frontends.insert(
-                Frontend { scope, ..internal },
-                FrontendSpec {
-                    service: candidate.service.clone(),
-                    kind: candidate.kind,
-                    local_only,
-                    affinity_timeout: candidate.affinity_timeout,
-                    backends,
-                },
-            );
-        }
-    }
-    state.rejections.sort();
-    state.rejections.dedup();
-    state
+    let mut state = Incremental::default();
+    state.update(cluster, config, &Changes::All);
+    state.into_state()
 }
 
 /// What this node is, as the computation needs it.
@@ -473,7 +412,7 @@ fn service_candidates(
     service: &Service,
     endpoints: Option<&ServiceEndpoints>,
     node: &ThisNode<'_>,
-    candidates: &mut Vec<(String, Candidate)>,
+    candidates: &mut Vec<Candidate>,
     problems: &mut Vec<String>,
 ) {
     if is_ignored(service) {
@@ -481,7 +420,6 @@ fn service_candidates(
     }
     let Some(spec) = &service.spec else { return };
     let (namespace, name) = object_name(&service.metadata);
-    let object = format!("Service {namespace}/{name}");
 
     let mut families = Vec::new();
     for text in cluster_ip_texts(service) {
@@ -565,19 +503,16 @@ fn service_candidates(
                     FrontendKind::ClusterIp => (internal_set.clone(), internal_set.clone()),
                     _ => ((cluster.clone(), false), external_set.clone()),
                 };
-                candidates.push((
-                    object.clone(),
-                    Candidate {
-                        addr,
-                        port,
-                        proto: port_key.1,
-                        kind,
-                        service: service_port_name.clone(),
-                        affinity_timeout,
-                        internal,
-                        external,
-                    },
-                ));
+                candidates.push(Candidate {
+                    addr,
+                    port,
+                    proto: port_key.1,
+                    kind,
+                    service: service_port_name.clone(),
+                    affinity_timeout,
+                    internal,
+                    external,
+                });
             };
             add(*cluster_ip, frontend_port, FrontendKind::ClusterIp);
             if let Some(node_port) = node_port {

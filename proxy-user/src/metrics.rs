@@ -370,7 +370,17 @@ pub fn change_times(
     times
 }
 
-fn trigger_time(slice: &EndpointSlice) -> Option<SystemTime> {
+/// [`change_times`] for a source that recorded when each change was made.
+pub fn recorded_change_times(recorded: &[SystemTime], received: SystemTime, agent_started: SystemTime) -> Vec<SystemTime> {
+    let mut times: Vec<SystemTime> = recorded.iter().copied().filter(|t| *t > agent_started).collect();
+    // A new view always counts at least once, even if it only carried old annotations.
+    if times.is_empty() {
+        times.push(received);
+    }
+    times
+}
+
+pub fn trigger_time(slice: &EndpointSlice) -> Option<SystemTime> {
     let text = slice.metadata.annotations.as_ref()?.get(ANNOTATION_LAST_CHANGE_TRIGGER_TIME)?;
     let timestamp: Timestamp = text.parse().ok()?;
     Some(SystemTime::from(timestamp))

@@ -66,6 +66,52 @@ pub struct Failure {
 pub struct ReconcileReport {
     pub writes: usize,
     pub failures: Vec<Failure>,
+    /// Backend entries deleted because no frontend uses them any more.
+    pub removed_backends: Vec<BackendAddr>,
+}
+
+/// Reference counts of map entries, and the entries that exist with none (the garbage).
+#[derive(Debug)]
+struct Refs<K> {
+    counts: BTreeMap<K, u32>,
+    unreferenced: BTreeSet<K>,
+}
+
+impl<K> Default for Refs<K> {
+    fn default() -> Self {
+        Self { counts: BTreeMap::new(), unreferenced: BTreeSet::new() }
+    }
+}
+
+impl<K: Ord + Copy> Refs<K> {
+    fn add(&mut self, key: K) {
+        *self.counts.entry(key).or_insert(0) += 1;
+        self.unreferenced.remove(&key);
+    }
+
+    /// `exists`: the entry is in its map (only then is it garbage once unreferenced).
+    fn drop_ref(&mut self, key: K, exists: bool) {
+        if let Some(count) = self.counts.get_mut(&key) {
+            *count -= 1;
+            if *count == 0 {
+                self.counts.remove(&key);
+                if exists {
+                    self.unreferenced.insert(key);
+                }
+            }
+        }
+    }
+
+    /// A new entry in the map: garbage until something refers to it.
+    fn created(&mut self, key: K) {
+        if !self.counts.contains_key(&key) {
+            self.unreferenced.insert(key);
+        }
+    }
+
+    fn held(&self, key: &K) -> bool {
+        self.counts.contains_key(key)
+    }
 }
 
 /// What the service map holds for one frontend.
@@ -92,10 +138,15 @@ pub struct Reconciler<M> {
     strays: Vec<SvcKey>,
     next_backend_id: BackendId,
     next_rev_nat_id: RevNatId,
-    /// Reverse-NAT ids held by a frontend or an entry, as of this reconcile's start plus those
-    /// it allocated since (built once per reconcile: allocating for N new frontends is then
-    /// N log N, not N², which took seconds at 10 000 Services).
-    rev_nat_in_use: BTreeSet<RevNatId>,
+    /// Who holds what, kept with every write so that a pass that touched a few frontends finds
+    /// the garbage it made without scanning every frontend (at 30 000 Services a scan of the
+    /// slots alone took tens of milliseconds per endpoint change): slots naming each backend,
+    /// frontends holding each reverse-NAT id, slot 0s marking each Maglev table ...
+    backend_refs: Refs<BackendId>,
+    rev_nat_refs: Refs<RevNatId>,
+    maglev_marks: Refs<RevNatId>,
+    /// Frontends whose last pass failed: retried by the next one, whatever it was given.
+    pending: BTreeSet<Frontend>,
     algorithm: LbAlgorithm,
     /// Maglev map contents: reverse-NAT id of an external frontend -> its table.
     maglev_tables: BTreeMap<RevNatId, Vec<BackendId>>,
@@ -103,6 +154,9 @@ pub struct Reconciler<M> {
     /// NodePort on every node address, LB IPs) share one backend set, so one computation.
     maglev_memo: BTreeMap<Vec<BackendAddr>, Vec<u32>>,
 }
+
+/// Distinct backend sets whose Maglev tables an incremental pass may keep memoised (times 4).
+const MAGLEV_MEMO_SETS: usize = 1024;
 
 /// An IPv6 address as the maps hold it: four words in network byte order.
 pub fn ipv6_words(ip: Ipv6Addr) -> [u32; 4] {
@@ -243,6 +297,19 @@ impl<M: LbMaps> Reconciler<M> {
         let next_backend_id = backends_by_id.keys().next_back().map_or(1, |id| id.wrapping_add(1).max(1));
         let max_rev_nat = frontends.values().map(|f| f.rev_nat_id).chain(rev_nats.keys().copied()).max();
         let next_rev_nat_id = max_rev_nat.map_or(1, |id| id.wrapping_add(1).max(1));
+        let (mut backend_refs, mut rev_nat_refs, mut maglev_marks) = (Refs::default(), Refs::default(), Refs::default());
+        for applied in frontends.values() {
+            applied.slots.values().for_each(|id| backend_refs.add(*id));
+            if applied.rev_nat_id != 0 {
+                rev_nat_refs.add(applied.rev_nat_id);
+            }
+            if let Some(slot0) = applied.slot0.filter(|v| v.flags & svc_flags::MAGLEV != 0) {
+                maglev_marks.add(slot0.rev_nat_id);
+            }
+        }
+        backends_by_id.keys().for_each(|id| backend_refs.created(*id));
+        rev_nats.keys().for_each(|id| rev_nat_refs.created(*id));
+        maglev_tables.keys().for_each(|id| maglev_marks.created(*id));
         Ok(Self {
             maps,
             frontends,
@@ -252,7 +319,10 @@ impl<M: LbMaps> Reconciler<M> {
             strays,
             next_backend_id,
             next_rev_nat_id,
-            rev_nat_in_use: BTreeSet::new(),
+            backend_refs,
+            rev_nat_refs,
+            maglev_marks,
+            pending: BTreeSet::new(),
             algorithm: LbAlgorithm::default(),
             maglev_tables,
             maglev_memo: BTreeMap::new(),
@@ -279,9 +349,9 @@ impl<M: LbMaps> Reconciler<M> {
         self.backends_by_id.len()
     }
 
-    /// The addresses of the backends the maps hold (adopted or written).
-    pub fn programmed_backend_addrs(&self) -> impl Iterator<Item = BackendAddr> + '_ {
-        self.backends_by_id.values().filter_map(decode_backend)
+    /// Whether the maps hold an entry for this backend (local or not).
+    pub fn has_backend(&self, backend: &BackendAddr) -> bool {
+        [false, true].iter().any(|local| self.backend_ids.contains_key(&(*backend, *local)))
     }
 
     /// The reverse-NAT id of a frontend, if it has one.
@@ -292,10 +362,23 @@ impl<M: LbMaps> Reconciler<M> {
 
     /// Brings the maps to `desired`, writing only what differs.
     pub fn reconcile(&mut self, desired: &DesiredState) -> ReconcileReport {
-        let mut report = ReconcileReport::default();
-        self.rev_nat_in_use =
-            self.frontends.values().map(|f| f.rev_nat_id).chain(self.rev_nats.keys().copied()).collect();
+        let mut touched: BTreeSet<Frontend> = self.frontends.keys().copied().collect();
+        touched.extend(desired.frontends.keys());
+        let report = self.reconcile_changed(desired, &touched);
+        // Forget tables of backend sets no frontend has any more (none are kept with `random`).
+        if !self.maglev_memo.is_empty() {
+            let sets: BTreeSet<Vec<BackendAddr>> =
+                desired.frontends.values().map(|spec| spec.backends.iter().map(|b| b.addr).collect()).collect();
+            self.maglev_memo.retain(|set, _| sets.contains(set));
+        }
+        report
+    }
 
+    /// Brings the entries of the `changed` frontends (and of those whose last pass failed) to
+    /// `desired`: what an incremental sync hands over. Entries of other frontends are left
+    /// alone; garbage is whatever these writes left unreferenced.
+    pub fn reconcile_changed(&mut self, desired: &DesiredState, changed: &BTreeSet<Frontend>) -> ReconcileReport {
+        let mut report = ReconcileReport::default();
         for key in std::mem::take(&mut self.strays) {
             match self.maps.delete_service(&key) {
                 Ok(()) => report.writes += 1,
@@ -305,27 +388,29 @@ impl<M: LbMaps> Reconciler<M> {
                 }
             }
         }
+        let mut touched = std::mem::take(&mut self.pending);
+        touched.extend(changed);
 
-        let gone: Vec<Frontend> =
-            self.frontends.keys().filter(|f| !desired.frontends.contains_key(f)).copied().collect();
-        for frontend in gone {
-            if let Err(error) = self.remove_frontend(&frontend, &mut report.writes) {
+        // Removals first: they free capacity.
+        for frontend in touched.iter().filter(|f| !desired.frontends.contains_key(f)) {
+            if let Err(error) = self.remove_frontend(frontend, &mut report.writes) {
                 report.failures.push(Failure { what: format!("removed frontend {frontend}"), error });
+                self.pending.insert(*frontend);
             }
         }
-
-        for (frontend, spec) in &desired.frontends {
+        for frontend in &touched {
+            let Some(spec) = desired.frontends.get(frontend) else { continue };
             if let Err(error) = self.upsert_frontend(frontend, spec, &mut report.writes) {
                 report.failures.push(Failure { what: format!("Service {} ({frontend})", spec.service), error });
+                self.pending.insert(*frontend);
             }
         }
 
         self.collect_garbage(&mut report);
-        // Forget tables of backend sets no frontend has any more (none are kept with `random`).
-        if !self.maglev_memo.is_empty() {
-            let sets: BTreeSet<Vec<BackendAddr>> =
-                desired.frontends.values().map(|spec| spec.backends.iter().map(|b| b.addr).collect()).collect();
-            self.maglev_memo.retain(|set, _| sets.contains(set));
+        // Tables are memoised by backend set; a full pass prunes them, and churn alone must not
+        // grow the memo without bound.
+        if self.maglev_memo.len() > 4 * MAGLEV_MEMO_SETS {
+            self.maglev_memo.clear();
         }
         report
     }
@@ -355,7 +440,7 @@ impl<M: LbMaps> Reconciler<M> {
             .filter(|c| *c < u16::MAX)
             .ok_or(ReconcileError::TooManyBackends { count: backends.len() })?;
         let mut ids = Vec::with_capacity(backends.len());
-        for backend in backends {
+        for backend in backends.iter() {
             ids.push(self.ensure_backend(&backend.addr, backend.local, writes)?);
         }
 
@@ -373,43 +458,76 @@ impl<M: LbMaps> Reconciler<M> {
             let table = self.maglev_table(&addrs, &ids);
             if self.maglev_tables.get(&rev_nat_id) != Some(&table) {
                 self.maps.put_maglev(rev_nat_id, &table)?;
-                self.maglev_tables.insert(rev_nat_id, table);
+                if self.maglev_tables.insert(rev_nat_id, table).is_none() {
+                    self.maglev_marks.created(rev_nat_id);
+                }
                 *writes += 1;
             }
         }
 
         let applied = self.frontends.entry(*frontend).or_default();
-        applied.rev_nat_id = rev_nat_id;
+        if applied.rev_nat_id != rev_nat_id {
+            self.rev_nat_refs.add(rev_nat_id);
+            if applied.rev_nat_id != 0 {
+                let old = applied.rev_nat_id;
+                self.rev_nat_refs.drop_ref(old, self.rev_nats.contains_key(&old));
+            }
+            applied.rev_nat_id = rev_nat_id;
+        }
 
         for (slot, id) in (1..=count).zip(&ids) {
             if applied.slots.get(&slot) != Some(id) {
                 let value = ServiceValue4 { backend_id: *id, ..Default::default() };
                 self.maps.put_service(&key0.with_slot(slot), &value)?;
-                applied.slots.insert(slot, *id);
+                self.backend_refs.add(*id);
+                if let Some(old) = applied.slots.insert(slot, *id) {
+                    self.backend_refs.drop_ref(old, self.backends_by_id.contains_key(&old));
+                }
                 *writes += 1;
             }
         }
 
         if self.rev_nats.get(&rev_nat_id) != Some(&rev_nat) {
             self.maps.put_rev_nat(rev_nat_id, &rev_nat)?;
-            self.rev_nats.insert(rev_nat_id, rev_nat);
+            if self.rev_nats.insert(rev_nat_id, rev_nat).is_none() {
+                self.rev_nat_refs.created(rev_nat_id);
+            }
             *writes += 1;
         }
 
         let slot0 = slot0_value(spec, count, rev_nat_id, use_maglev);
         if applied.slot0 != Some(slot0) {
             self.maps.put_service(&key0, &slot0)?;
-            applied.slot0 = Some(slot0);
+            let old = applied.slot0.replace(slot0);
+            Self::mark_maglev(&mut self.maglev_marks, &self.maglev_tables, old, Some(slot0));
             *writes += 1;
         }
 
         let surplus: Vec<u16> = applied.slots.range(count + 1..).map(|(slot, _)| *slot).collect();
         for slot in surplus {
             self.maps.delete_service(&key0.with_slot(slot))?;
-            applied.slots.remove(&slot);
+            if let Some(old) = applied.slots.remove(&slot) {
+                self.backend_refs.drop_ref(old, self.backends_by_id.contains_key(&old));
+            }
             *writes += 1;
         }
         Ok(())
+    }
+
+    /// Keeps the count of slot 0s that mark each Maglev table as one slot 0 changes.
+    fn mark_maglev(
+        marks: &mut Refs<RevNatId>,
+        tables: &BTreeMap<RevNatId, Vec<BackendId>>,
+        old: Option<ServiceValue4>,
+        new: Option<ServiceValue4>,
+    ) {
+        let marking = |v: Option<ServiceValue4>| v.filter(|v| v.flags & svc_flags::MAGLEV != 0).map(|v| v.rev_nat_id);
+        if let Some(id) = marking(new) {
+            marks.add(id);
+        }
+        if let Some(id) = marking(old) {
+            marks.drop_ref(id, tables.contains_key(&id));
+        }
     }
 
     fn remove_frontend(&mut self, frontend: &Frontend, writes: &mut usize) -> Result<(), ReconcileError> {
@@ -418,68 +536,79 @@ impl<M: LbMaps> Reconciler<M> {
         // Slot 0 first: from this write on the frontend no longer exists for new connections.
         if applied.slot0.is_some() {
             self.maps.delete_service(&key0)?;
-            applied.slot0 = None;
+            let old = applied.slot0.take();
+            Self::mark_maglev(&mut self.maglev_marks, &self.maglev_tables, old, None);
             *writes += 1;
         }
         let slots: Vec<u16> = applied.slots.keys().copied().collect();
         for slot in slots {
             self.maps.delete_service(&key0.with_slot(slot))?;
-            applied.slots.remove(&slot);
+            if let Some(old) = applied.slots.remove(&slot) {
+                self.backend_refs.drop_ref(old, self.backends_by_id.contains_key(&old));
+            }
             *writes += 1;
         }
-        self.frontends.remove(frontend);
+        if let Some(applied) = self.frontends.remove(frontend) {
+            if applied.rev_nat_id != 0 {
+                self.rev_nat_refs.drop_ref(applied.rev_nat_id, self.rev_nats.contains_key(&applied.rev_nat_id));
+            }
+        }
         Ok(())
     }
 
-    /// Deletes backends no slot names and reverse-NAT entries no frontend owns.
+    /// Deletes backends no slot names and reverse-NAT entries no frontend owns, and Maglev
+    /// tables no slot 0 marks (after every slot 0 is written: a table is in use only while a
+    /// slot 0 says so).
     fn collect_garbage(&mut self, report: &mut ReconcileReport) {
-        let referenced: BTreeSet<BackendId> =
-            self.frontends.values().flat_map(|f| f.slots.values().copied()).collect();
-        let unused: Vec<BackendId> =
-            self.backends_by_id.keys().filter(|id| !referenced.contains(id)).copied().collect();
+        let unused: Vec<BackendId> = self.backend_refs.unreferenced.iter().copied().collect();
         for id in unused {
-            let ipv6 = self.backends_by_id.get(&id).is_some_and(BackendValue::is_ipv6);
-            match self.maps.delete_backend(id, ipv6) {
+            let Some(value) = self.backends_by_id.get(&id).copied() else {
+                self.backend_refs.unreferenced.remove(&id);
+                continue;
+            };
+            match self.maps.delete_backend(id, value.is_ipv6()) {
                 Ok(()) => {
                     report.writes += 1;
-                    if let Some(value) = self.backends_by_id.remove(&id) {
-                        if let Some(addr) = decode_backend(&value) {
-                            let key = (addr, backend_flags_of(&value) & backend_flags::LOCAL != 0);
-                            if self.backend_ids.get(&key) == Some(&id) {
-                                self.backend_ids.remove(&key);
-                            }
+                    self.backend_refs.unreferenced.remove(&id);
+                    self.backends_by_id.remove(&id);
+                    if let Some(addr) = decode_backend(&value) {
+                        let key = (addr, backend_flags_of(&value) & backend_flags::LOCAL != 0);
+                        if self.backend_ids.get(&key) == Some(&id) {
+                            self.backend_ids.remove(&key);
                         }
+                        report.removed_backends.push(addr);
                     }
                 }
                 Err(error) => report.failures.push(Failure { what: format!("unused backend {id}"), error: error.into() }),
             }
         }
 
-        // After every slot 0 is written: a table is in use only while a slot 0 says so.
-        let marked: BTreeSet<RevNatId> = self
-            .frontends
-            .values()
-            .filter(|f| f.slot0.is_some_and(|v| v.flags & svc_flags::MAGLEV != 0))
-            .map(|f| f.rev_nat_id)
-            .collect();
-        let unmarked: Vec<RevNatId> = self.maglev_tables.keys().filter(|id| !marked.contains(id)).copied().collect();
+        let unmarked: Vec<RevNatId> = self.maglev_marks.unreferenced.iter().copied().collect();
         for id in unmarked {
+            if !self.maglev_tables.contains_key(&id) {
+                self.maglev_marks.unreferenced.remove(&id);
+                continue;
+            }
             match self.maps.delete_maglev(id) {
                 Ok(()) => {
                     report.writes += 1;
+                    self.maglev_marks.unreferenced.remove(&id);
                     self.maglev_tables.remove(&id);
                 }
                 Err(error) => report.failures.push(Failure { what: format!("unused Maglev table {id}"), error: error.into() }),
             }
         }
 
-        let owned: BTreeSet<RevNatId> = self.frontends.values().map(|f| f.rev_nat_id).collect();
-        let unowned: Vec<RevNatId> = self.rev_nats.keys().filter(|id| !owned.contains(id)).copied().collect();
+        let unowned: Vec<RevNatId> = self.rev_nat_refs.unreferenced.iter().copied().collect();
         for id in unowned {
-            let ipv6 = self.rev_nats.get(&id).is_some_and(RevNatValue::is_ipv6);
+            let Some(ipv6) = self.rev_nats.get(&id).map(RevNatValue::is_ipv6) else {
+                self.rev_nat_refs.unreferenced.remove(&id);
+                continue;
+            };
             match self.maps.delete_rev_nat(id, ipv6) {
                 Ok(()) => {
                     report.writes += 1;
+                    self.rev_nat_refs.unreferenced.remove(&id);
                     self.rev_nats.remove(&id);
                 }
                 Err(error) => {
@@ -496,7 +625,9 @@ impl<M: LbMaps> Reconciler<M> {
         if let Some(id) = self.backend_ids.get(&(*backend, local)).copied() {
             if self.backends_by_id.get(&id) != Some(&value) {
                 self.maps.put_backend(id, &value)?;
-                self.backends_by_id.insert(id, value);
+                if self.backends_by_id.insert(id, value).is_none() {
+                    self.backend_refs.created(id);
+                }
                 *writes += 1;
             }
             return Ok(id);
@@ -505,6 +636,7 @@ impl<M: LbMaps> Reconciler<M> {
         self.maps.put_backend(id, &value)?;
         self.backend_ids.insert((*backend, local), id);
         self.backends_by_id.insert(id, value);
+        self.backend_refs.created(id);
         *writes += 1;
         Ok(id)
     }
@@ -526,12 +658,12 @@ impl<M: LbMaps> Reconciler<M> {
         }
     }
 
+    /// An id is in use while a frontend holds it or its entry exists.
     fn allocate_rev_nat_id(&mut self) -> Result<RevNatId, ReconcileError> {
         let start = self.next_rev_nat_id;
         let mut id = start;
         loop {
-            if id != 0 && !self.rev_nat_in_use.contains(&id) {
-                self.rev_nat_in_use.insert(id);
+            if id != 0 && !self.rev_nat_refs.held(&id) && !self.rev_nats.contains_key(&id) {
                 self.next_rev_nat_id = id.wrapping_add(1);
                 return Ok(id);
             }

@@ -35,8 +35,11 @@ impl Summary {
     }
 }
 
-/// What `epx-probe load` saw: `clients` clients making `count` requests each. A request that
-/// failed is never retried; `failed_per_block[i]` counts the failures among the requests
+/// What `epx-probe load` saw: `clients` clients making `count` requests each. A TCP request
+/// that failed is never retried. A UDP request is sent again on the same socket (the same flow,
+/// as a DNS client does) when no answer came within a third of the timeout: a datagram lost on
+/// a busy machine is not a failure, a flow the datapath lost is (`retried` counts the resends).
+/// `failed_per_block[i]` counts the failures among the requests
 /// `i * block .. (i + 1) * block` of every client, so a failure rate that grows with the number
 /// of connections made so far shows.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -48,6 +51,8 @@ pub struct Load {
     pub answers: BTreeMap<String, u32>,
     pub block: u32,
     pub failed_per_block: Vec<u32>,
+    #[serde(default)]
+    pub retried: u32,
     pub elapsed_ms: u64,
     /// Requests per second over the whole run.
     pub per_second: f64,

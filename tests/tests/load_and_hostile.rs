@@ -59,8 +59,8 @@ impl Far {
         let command = self.client.command(&e2e::bin("epx-probe")).expect("probe command");
         let load = probe::load(command, kind, &format!("{}:{port}", self.client.node_ip), clients, count, rate).expect("load");
         eprintln!(
-            "{kind}: {clients} x {count} at {rate}/s: {} failed of {}, {:.0}/s, failed per {}: {:?}, errors {:?}",
-            load.failed, load.total, load.per_second, load.block, load.failed_per_block, load.errors
+            "{kind}: {clients} x {count} at {rate}/s: {} failed of {}, {} resent, {:.0}/s, failed per {}: {:?}, errors {:?}",
+            load.failed, load.total, load.retried, load.per_second, load.block, load.failed_per_block, load.errors
         );
         load
     }
@@ -135,8 +135,12 @@ fn four_clients_of_3000_connections_at_250_per_second_each_all_succeed() {
 fn five_thousand_new_udp_flows_at_500_per_second_all_get_answers() {
     let env = far(&[]);
     let load = env.load("udp", 1, 5000, 500);
-    assert_eq!((load.ok, load.failed), (5000, 0), "{load:?}");
-    assert_no_drops(&env.dump());
+    let dump = env.dump();
+    assert_eq!((load.ok, load.failed), (5000, 0), "{load:?} {:#}", dump["counters"]);
+    // A resend is a datagram the machine lost (CI saw 1 in 5000 under heavy hypervisor steal);
+    // a datapath that lost flows would need far more, and fail the drop counters below.
+    assert!(load.retried <= 5, "{load:?}");
+    assert_no_drops(&dump);
 }
 
 /// The kernel's own NAT (netfilter DNAT + SNAT `--random-fully` onto the same ports) in the same

@@ -11,6 +11,11 @@ fn healthz(env: &KubeEnv) -> (u16, serde_json::Value) {
     (status, serde_json::from_str(&body).expect("healthz json"))
 }
 
+/// Waits until `/healthz` says the checkpoint on disk holds what the datapath was given.
+fn wait_for_checkpoint(env: &KubeEnv) {
+    env.within(Duration::from_secs(5), "writing the checkpoint", |e| healthz(e).1["checkpointCurrent"] == true);
+}
+
 const NODE_PORT: u16 = 30080;
 
 #[test]
@@ -21,8 +26,8 @@ fn reboot_during_an_api_outage_restores_services_from_the_checkpoint() {
         .expect("NodePort Service");
     let node_port = format!("{NODE_IP}:{NODE_PORT}");
     env.within(Duration::from_secs(2), "programming the NodePort", |e| e.frontends().contains(&format!("{node_port}/TCP")));
-    // The checkpoint is written after the sync that programmed it.
-    std::thread::sleep(Duration::from_millis(500));
+    // The checkpoint is written in the background after the sync that programmed it.
+    wait_for_checkpoint(&env);
 
     env.api.stop_apiserver().expect("API down");
     env.agent.simulate_reboot().expect("reboot");
@@ -52,6 +57,7 @@ fn reboot_during_an_api_outage_restores_services_from_the_checkpoint() {
 #[test]
 fn a_corrupt_checkpoint_is_reported_and_ignored_and_the_api_still_wins() {
     let mut env = KubeEnv::new();
+    wait_for_checkpoint(&env);
     env.api.stop_apiserver().expect("API down");
     env.agent.simulate_reboot().expect("reboot");
     let checkpoint = env.agent.state_dir.join("checkpoint.v1");

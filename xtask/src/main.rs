@@ -172,7 +172,8 @@ fn test(args: &[String]) -> anyhow::Result<()> {
         .current_dir(workspace_root())
         .env("EPX_EBPF_OBJECT", ebpf_object())
         .env("EPX_PEERS_DIR", &peers)
-        .args(["test", "--release", "--package", "proxy-user", "--package", "e2e", "--package", "xtask", "--lib", "--bins", "--tests", "--"])
+        // Every binary runs even after one fails, so a red run shows every failure.
+        .args(["test", "--release", "--no-fail-fast", "--package", "proxy-user", "--package", "e2e", "--package", "xtask", "--lib", "--bins", "--tests", "--"])
         .arg("--test-threads=1")
         .args(args)
         .stdout(Stdio::piped())

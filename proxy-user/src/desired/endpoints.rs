@@ -36,12 +36,14 @@ pub(super) struct MergedSlices {
     pub slice_names: BTreeMap<(String, String), Vec<String>>,
 }
 
-pub(super) fn merge_slices(slices: &[std::sync::Arc<EndpointSlice>], rejections: &mut Vec<Rejection>) -> MergedSlices {
+/// Merges `slices`, in the order given (the caller sorts them by name, so which copy of a
+/// duplicate endpoint is kept does not depend on list order).
+pub(super) fn merge_slices<'a>(
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    rejections: &mut Vec<Rejection>,
+) -> MergedSlices {
     let mut merged = MergedSlices { by_service: BTreeMap::new(), slice_names: BTreeMap::new() };
-    let mut sorted: Vec<&EndpointSlice> = slices.iter().map(|slice| &**slice).collect();
-    // Deterministic: which copy of a duplicate endpoint is kept must not depend on list order.
-    sorted.sort_by_key(|slice| object_name(&slice.metadata));
-    for slice in sorted {
+    for slice in slices {
         let (namespace, name) = object_name(&slice.metadata);
         let object = format!("EndpointSlice {namespace}/{name}");
         let family = match slice.address_type.as_str() {

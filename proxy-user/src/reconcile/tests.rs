@@ -28,7 +28,7 @@ fn spec(i: usize, backends: &[BackendAddr]) -> FrontendSpec {
 fn desired(entries: &[(Frontend, Vec<BackendAddr>)]) -> DesiredState {
     let mut state = DesiredState::default();
     for (i, (frontend, backends)) in entries.iter().enumerate() {
-        state.frontends.insert(*frontend, spec(i, backends));
+        state.frontends.insert(*frontend, spec(i, backends).into());
     }
     state
 }
@@ -168,6 +168,7 @@ fn random_state(rng: &mut Rng) -> DesiredState {
     let mut state = desired(&entries);
     // Flags and backend locality change at random too: each is an in-place update.
     for spec in state.frontends.values_mut() {
+        let spec = std::sync::Arc::make_mut(spec);
         spec.local_only = rng.below(2) == 0;
         spec.affinity_timeout = (rng.below(2) == 0).then_some(10_800);
         spec.kind = [FrontendKind::ClusterIp, FrontendKind::NodePort, FrontendKind::LoadBalancer][rng.below(3) as usize];
@@ -229,7 +230,7 @@ fn flags_and_the_affinity_timeout_are_written_to_slot_0_and_a_flag_change_is_one
     reconciler.reconcile(&state);
     assert_eq!(slot0(reconciler.maps(), &svc).flags, 0);
 
-    let spec = state.frontends.get_mut(&svc).unwrap();
+    let spec = std::sync::Arc::make_mut(state.frontends.get_mut(&svc).unwrap());
     spec.kind = FrontendKind::NodePort;
     spec.local_only = true;
     spec.affinity_timeout = Some(600);
@@ -241,7 +242,7 @@ fn flags_and_the_affinity_timeout_are_written_to_slot_0_and_a_flag_change_is_one
     assert_eq!((value.backend_id, value.count), (600, 2));
 
     // Affinity off again: the timeout goes with the flag.
-    state.frontends.get_mut(&svc).unwrap().affinity_timeout = None;
+    std::sync::Arc::make_mut(state.frontends.get_mut(&svc).unwrap()).affinity_timeout = None;
     assert_eq!(reconciler.reconcile(&state).writes, 1);
     assert_eq!(slot0(reconciler.maps(), &svc).backend_id, 0);
     assert!(reconciler.maps().violations.is_empty(), "{:?}", reconciler.maps().violations);
@@ -260,7 +261,7 @@ fn a_backend_local_for_one_service_and_remote_for_another_gets_an_entry_for_each
 
     // Another Service's slice says the same address is local (issue 12: any namespace can write
     // such a slice): `a` gets a local entry of its own, `b` keeps its remote one untouched.
-    state.frontends.get_mut(&a).unwrap().backends[0].local = true;
+    std::sync::Arc::make_mut(state.frontends.get_mut(&a).unwrap()).backends[0].local = true;
     let report = reconciler.reconcile(&state);
     assert!(report.failures.is_empty(), "{report:?}");
     assert_eq!(reconciler.maps().backends.len(), 2, "{:?}", reconciler.maps().backends);
@@ -276,7 +277,7 @@ fn a_backend_local_for_one_service_and_remote_for_another_gets_an_entry_for_each
     assert_eq!(restarted.reconcile(&state).writes, 0, "a restart rewrites nothing");
 
     // When no frontend uses the remote copy any more, it is collected.
-    state.frontends.get_mut(&b).unwrap().backends[0].local = true;
+    std::sync::Arc::make_mut(state.frontends.get_mut(&b).unwrap()).backends[0].local = true;
     restarted.reconcile(&state);
     assert_eq!(restarted.maps().backends.len(), 1);
     assert!(restarted.maps().violations.is_empty(), "{:?}", restarted.maps().violations);
@@ -421,4 +422,125 @@ fn switching_algorithms_keeps_the_frontend_and_drops_or_rebuilds_its_table() {
     assert_eq!(back.reconcile(&state).writes, 2);
     assert!(back.maps().violations.is_empty(), "{:?}", back.maps().violations);
     assert_eq!(maglev_by_addr(back.maps(), &external), maglev_by_addr(maglev.maps(), &external));
+}
+
+/// The agent's path (an incremental desired state, then only the changed frontends written)
+/// against the model (everything computed from scratch): over long random sequences of Service
+/// and EndpointSlice changes, with colliding addresses and node address changes, the maps hold
+/// exactly what a full computation says, with no garbage left behind.
+#[test]
+fn incremental_sync_matches_a_full_computation_over_random_changes() {
+    use crate::desired::{self, Changes, ClusterState, Incremental, NodeConfig, ServiceObjects};
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use std::sync::Arc;
+
+    fn service(rng: &mut Rng, i: u64) -> Service {
+        let ty = ["ClusterIP", "NodePort", "LoadBalancer"][rng.below(3) as usize];
+        let mut spec = serde_json::json!({
+            "type": ty,
+            // A small pool: Services collide on ClusterIPs, NodePorts and external IPs.
+            "clusterIP": format!("10.96.0.{}", 1 + rng.below(6)),
+            "ports": [{"name": "p", "port": 80 + rng.below(2), "protocol": (["TCP", "UDP"][rng.below(2) as usize])}],
+            "externalTrafficPolicy": (["Cluster", "Local"][rng.below(2) as usize]),
+        });
+        if ty != "ClusterIP" {
+            spec["ports"][0]["nodePort"] = serde_json::json!(30000 + rng.below(3));
+        }
+        if rng.below(3) == 0 {
+            spec["externalIPs"] = serde_json::json!([format!("10.96.0.{}", 1 + rng.below(6))]);
+        }
+        serde_json::from_value(serde_json::json!({"metadata": {"name": format!("s{i}"), "namespace": "ns"}, "spec": spec})).unwrap()
+    }
+    fn slice(rng: &mut Rng, i: u64, of: u64) -> EndpointSlice {
+        let endpoints: Vec<_> = (0..rng.below(4))
+            .map(|_| serde_json::json!({
+                "addresses": [format!("10.244.1.{}", 1 + rng.below(5))],
+                "conditions": {"ready": rng.below(4) != 0},
+                "nodeName": (["node-1", "node-2"][rng.below(2) as usize]),
+            }))
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("e{i}"), "namespace": "ns", "labels": {"kubernetes.io/service-name": format!("s{of}")}},
+            "addressType": "IPv4",
+            "ports": [{"name": "p", "port": 8080 + rng.below(2), "protocol": (["TCP", "UDP"][rng.below(2) as usize])}],
+            "endpoints": endpoints,
+        }))
+        .unwrap()
+    }
+
+    for seed in 1..=12u64 {
+        let mut rng = Rng(seed * 0x9e37_79b9_7f4a_7c15);
+        let mut services: BTreeMap<u64, Arc<Service>> = BTreeMap::new();
+        let mut slices: BTreeMap<u64, Arc<EndpointSlice>> = BTreeMap::new();
+        let mut config = NodeConfig { node_name: "node-1".into(), interface_addresses: vec!["192.168.0.10".parse().unwrap()], ..Default::default() };
+        let mut state = Incremental::default();
+        let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();
+        for step in 0..150 {
+            let mut touched = BTreeSet::new();
+            let mut all = false;
+            for _ in 0..1 + rng.below(3) {
+                let i = rng.below(8);
+                match rng.below(10) {
+                    0..=2 => {
+                        touched.insert(i);
+                        services.insert(i, Arc::new(service(&mut rng, i)));
+                    }
+                    3 => {
+                        touched.insert(i);
+                        services.remove(&i);
+                    }
+                    4..=7 => {
+                        let of = rng.below(8);
+                        if let Some(old) = slices.insert(i, Arc::new(slice(&mut rng, i, of))) {
+                            touched.insert(desired::slice_service_key(&old).1[1..].parse().unwrap());
+                        }
+                        touched.insert(of);
+                    }
+                    8 => {
+                        if let Some(old) = slices.remove(&i) {
+                            touched.insert(desired::slice_service_key(&old).1[1..].parse().unwrap());
+                        }
+                    }
+                    _ => {
+                        all = true;
+                        config.interface_addresses = vec![format!("192.168.0.{}", 10 + rng.below(2)).parse().unwrap()];
+                    }
+                }
+            }
+            let cluster = ClusterState {
+                services: services.values().cloned().collect(),
+                slices: slices.values().cloned().collect(),
+                node: None,
+            };
+            let groups = desired::group(&cluster);
+            let changes = if all && rng.below(2) == 0 {
+                Changes::All
+            } else {
+                Changes::Services(
+                    touched
+                        .iter()
+                        .map(|i| {
+                            let key = ("ns".to_owned(), format!("s{i}"));
+                            let objects: ServiceObjects = groups.get(&key).cloned().unwrap_or_default();
+                            (key, objects)
+                        })
+                        .collect(),
+                )
+            };
+            let changed = state.update(&cluster, &config, &changes);
+            let full = desired::compute(&cluster, &config);
+            assert_eq!(state.state(), &full, "seed {seed} step {step}: incremental desired state differs");
+            let report = reconciler.reconcile_changed(state.state(), &changed);
+            assert!(report.failures.is_empty(), "seed {seed} step {step}: {:?}", report.failures);
+            let maps = reconciler.maps();
+            assert_eq!(observed(maps), expected(&full), "seed {seed} step {step}: the maps differ");
+            assert!(maps.violations.is_empty(), "seed {seed} step {step}: {:?}", maps.violations);
+            // No garbage: every backend is named by a slot, every reverse-NAT entry is owned.
+            let named: BTreeSet<BackendId> = maps.services.iter().filter(|(k, _)| k.slot() != 0).map(|(_, v)| v.backend_id).collect();
+            assert_eq!(named, maps.backends.keys().copied().collect(), "seed {seed} step {step}: unused backends left");
+            let owned: BTreeSet<RevNatId> = maps.services.iter().filter(|(k, _)| k.slot() == 0).map(|(_, v)| v.rev_nat_id).collect();
+            assert_eq!(owned, maps.rev_nats.keys().copied().collect(), "seed {seed} step {step}: unowned reverse NAT left");
+        }
+    }
 }

@@ -88,7 +88,7 @@ pub fn start(path: PathBuf, interval: std::time::Duration, health: std::sync::Ar
             let mut view = shared.lock().expect("snapshot lock");
             // A change not read yet keeps its (earlier) time.
             let changed_at = view.changed_at.or(Some(std::time::Instant::now()));
-            *view = Snapshot { cluster, rejections, changed_at };
+            *view = Snapshot { cluster, rejections, changed_at, changes: Default::default(), change_times: None };
             drop(view);
             last = Some(files);
             generation_tx.send_modify(|g| *g += 1);

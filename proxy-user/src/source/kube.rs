@@ -12,7 +12,7 @@
 //! once (this also gets past a `410 Gone` after an API server restart, and catches deletions a
 //! reconnecting watch could have missed). Meanwhile the datapath keeps its last state.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -28,7 +28,7 @@ use kube::{Api, Client, Config, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 use crate::agent::error_chain;
-use crate::desired::ClusterState;
+use crate::desired::{self, Changes, ClusterState, ServiceKey, ServiceObjects};
 use crate::source::{Snapshot, SourceHandle, SourceHealth};
 
 /// Server-side timeout of each watch call. kube-runtime treats a watch that stays silent for this
@@ -63,19 +63,62 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
     Client::try_from(config).context("building the Kubernetes client")
 }
 
-/// The objects of one kind as the last complete list plus later watch events say.
+type ObjectKey = (String, String);
+
+/// The objects of one kind as the last complete list plus later watch events say, and which
+/// Services the changes since the agent's last read concern.
 struct KindStore<K> {
     kind: &'static str,
-    objects: BTreeMap<(String, String), Arc<K>>,
+    objects: BTreeMap<ObjectKey, Arc<K>>,
     /// Objects of a relist in progress; swapped in at `InitDone`.
-    relist: Option<BTreeMap<(String, String), Arc<K>>>,
+    relist: Option<BTreeMap<ObjectKey, Arc<K>>>,
     listed: bool,
     failing: bool,
+    /// The Service an object belongs to (a Service itself, the one a slice's label names); none
+    /// for kinds whose every change concerns all Services (the Node).
+    service_of: Option<fn(&K) -> ServiceKey>,
+    /// Objects by the Service they belong to.
+    by_service: BTreeMap<ServiceKey, BTreeSet<ObjectKey>>,
+    /// Services whose objects changed since the agent read them.
+    dirty: BTreeSet<ServiceKey>,
+    /// A change that concerns every Service happened since the agent read.
+    all_dirty: bool,
 }
 
-impl<K: Resource + Clone> KindStore<K> {
-    fn new(kind: &'static str) -> Self {
-        Self { kind, objects: BTreeMap::new(), relist: None, listed: false, failing: false }
+impl<K: Resource + Clone + PartialEq> KindStore<K> {
+    fn new(kind: &'static str, service_of: Option<fn(&K) -> ServiceKey>) -> Self {
+        Self {
+            kind,
+            objects: BTreeMap::new(),
+            relist: None,
+            listed: false,
+            failing: false,
+            service_of,
+            by_service: BTreeMap::new(),
+            dirty: BTreeSet::new(),
+            all_dirty: false,
+        }
+    }
+
+    /// Records that `key` went from `old` to `new` (either may be absent).
+    fn changed(&mut self, key: &ObjectKey, old: Option<&K>, new: Option<&K>) {
+        let Some(service_of) = self.service_of else {
+            self.all_dirty = true;
+            return;
+        };
+        if let Some(service) = old.map(service_of) {
+            if let Some(members) = self.by_service.get_mut(&service) {
+                members.remove(key);
+                if members.is_empty() {
+                    self.by_service.remove(&service);
+                }
+            }
+            self.dirty.insert(service);
+        }
+        if let Some(service) = new.map(service_of) {
+            self.by_service.entry(service.clone()).or_default().insert(key.clone());
+            self.dirty.insert(service);
+        }
     }
 
     /// Folds in one watcher event; returns whether the visible objects changed.
@@ -84,12 +127,21 @@ impl<K: Resource + Clone> KindStore<K> {
         match event {
             watcher::Event::Apply(object) => {
                 self.failing = false;
-                self.objects.insert(key(&object), Arc::new(object));
+                let key = key(&object);
+                let object = Arc::new(object);
+                let old = self.objects.insert(key.clone(), object.clone());
+                if old.as_deref() == Some(&*object) {
+                    return false;
+                }
+                self.changed(&key, old.as_deref(), Some(&object));
                 true
             }
             watcher::Event::Delete(object) => {
                 self.failing = false;
-                self.objects.remove(&key(&object)).is_some()
+                let key = key(&object);
+                let Some(old) = self.objects.remove(&key) else { return false };
+                self.changed(&key, Some(&old), None);
+                true
             }
             // `Init` is emitted before the list request is even sent, and a relist in progress
             // is not a confirmed view: the kind stays failing (stale) until `InitDone`.
@@ -103,11 +155,29 @@ impl<K: Resource + Clone> KindStore<K> {
             }
             watcher::Event::InitDone => {
                 self.failing = false;
-                self.objects = self.relist.take().unwrap_or_default();
+                let old = std::mem::replace(&mut self.objects, self.relist.take().unwrap_or_default());
                 self.listed = true;
-                true
+                // Only what the relist changed concerns the datapath: after an API outage that
+                // is usually nothing, whatever the number of Services.
+                let keys: BTreeSet<ObjectKey> = old.keys().chain(self.objects.keys()).cloned().collect();
+                let mut any = false;
+                for key in keys {
+                    let new = self.objects.get(&key).cloned();
+                    let before = old.get(&key);
+                    if before.map(|o| &**o) != new.as_deref() {
+                        self.changed(&key, before.map(|o| &**o), new.as_deref());
+                        any = true;
+                    }
+                }
+                any
             }
         }
+    }
+
+    /// The objects that belong to `service`.
+    fn of_service(&self, service: &ServiceKey) -> Vec<Arc<K>> {
+        let members = self.by_service.get(service).into_iter().flatten();
+        members.filter_map(|key| self.objects.get(key).cloned()).collect()
     }
 
     fn snapshot(&self) -> Vec<Arc<K>> {
@@ -146,11 +216,20 @@ trait Trim: Resource {
     }
 
     fn trim_kind(&mut self) {}
+
+    /// When the change this object carries was made, if it says.
+    fn change_time(&self) -> Option<std::time::SystemTime> {
+        None
+    }
 }
 
 impl Trim for Service {}
 
 impl Trim for EndpointSlice {
+    fn change_time(&self) -> Option<std::time::SystemTime> {
+        crate::metrics::trigger_time(self)
+    }
+
     fn trim_kind(&mut self) {
         for endpoint in &mut self.endpoints {
             // The Pod behind each endpoint (kind, name, namespace, uid, resourceVersion).
@@ -182,9 +261,36 @@ struct Stores {
     nodes: KindStore<Node>,
     /// When the oldest change not read by the agent yet arrived.
     unread_change: Option<Instant>,
+    /// When each change not read yet was made (network programming latency).
+    change_times: Vec<std::time::SystemTime>,
+    /// The agent has read a view before (the first read is always `Changes::All`).
+    read_once: bool,
 }
 
 impl Stores {
+    /// What changed since the last read, with the changed Services' current objects.
+    fn take_changes(&mut self) -> Changes {
+        let mut dirty = std::mem::take(&mut self.services.dirty);
+        dirty.append(&mut self.slices.dirty);
+        let all = !self.read_once || self.services.all_dirty || self.slices.all_dirty || self.nodes.all_dirty;
+        self.read_once = true;
+        self.services.all_dirty = false;
+        self.slices.all_dirty = false;
+        self.nodes.all_dirty = false;
+        if all {
+            return Changes::All;
+        }
+        let changed = dirty
+            .into_iter()
+            .map(|service| {
+                let objects =
+                    ServiceObjects { services: self.services.of_service(&service), slices: self.slices.of_service(&service) };
+                (service, objects)
+            })
+            .collect();
+        Changes::Services(changed)
+    }
+
     fn listed(&self) -> bool {
         self.services.listed && self.slices.listed && self.nodes.listed
     }
@@ -193,25 +299,32 @@ impl Stores {
     }
 }
 
-/// Folds one event (or error) of a kind into its store; returns whether the view changed.
-fn fold<K: Resource + Clone>(
+/// Folds one event (or error) of a kind into its store; returns when the change was made if
+/// the view changed (an EndpointSlice's trigger time, else now).
+fn fold<K: Trim + Clone + PartialEq>(
     store: &mut KindStore<K>,
     event: Option<Result<watcher::Event<K>, watcher::Error>>,
     health: &SourceHealth,
-) -> bool {
+) -> Option<std::time::SystemTime> {
     match event {
-        Some(Ok(event)) => store.apply(event),
+        Some(Ok(event)) => {
+            let made = match &event {
+                watcher::Event::Apply(object) => object.change_time(),
+                _ => None,
+            };
+            store.apply(event).then(|| made.unwrap_or_else(std::time::SystemTime::now))
+        }
         Some(Err(error)) => {
             store.failing = true;
             let error = error_chain(&error);
             tracing::warn!(kind = store.kind, "watch failed; the datapath keeps its last state: {error}");
             health.failed(format!("{}: {error}", store.kind));
-            false
+            None
         }
         // kube-runtime watchers never end; treat it as a failure to be relisted.
         None => {
             store.failing = true;
-            false
+            None
         }
     }
 }
@@ -220,10 +333,12 @@ fn fold<K: Resource + Clone>(
 pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> SourceHandle {
     let (generation_tx, generation) = tokio::sync::watch::channel(0u64);
     let stores = Arc::new(Mutex::new(Stores {
-        services: KindStore::new("Service"),
-        slices: KindStore::new("EndpointSlice"),
-        nodes: KindStore::new("Node"),
+        services: KindStore::new("Service", Some(desired::service_key)),
+        slices: KindStore::new("EndpointSlice", Some(desired::slice_service_key)),
+        nodes: KindStore::new("Node", None),
         unread_change: None,
+        change_times: Vec::new(),
+        read_once: false,
     }));
     let shared = stores.clone();
     let node_fields = format!("metadata.name={node_name}");
@@ -275,7 +390,7 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
                     probe_failed = !answered;
                     let failing = probe_failed || st.failing();
                     next_probe = tokio::time::Instant::now() + if failing { PROBE_INTERVAL_FAILING } else { PROBE_INTERVAL };
-                    false
+                    None
                 }
             };
             let mut st = shared.lock().expect("stores lock");
@@ -286,8 +401,9 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
                 tracing::info!("every watch is confirmed again; the datapath follows the API");
             }
             was_stale = stale;
-            if changed && st.listed() {
+            if let Some(made) = changed.filter(|_| st.listed()) {
                 st.unread_change.get_or_insert_with(Instant::now);
+                st.change_times.push(made);
                 drop(st);
                 generation_tx.send_modify(|g| *g += 1);
                 if *generation_tx.borrow() == 1 {
@@ -299,14 +415,17 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
 
     let read = move || {
         let mut st = stores.lock().expect("stores lock");
+        let changes = st.take_changes();
         Snapshot {
             changed_at: st.unread_change.take(),
+            change_times: Some(std::mem::take(&mut st.change_times)),
             cluster: ClusterState {
                 services: st.services.snapshot(),
                 slices: st.slices.snapshot(),
                 node: st.nodes.objects.values().next().cloned(),
             },
             rejections: Vec::new(),
+            changes,
         }
     };
     SourceHandle { generation, read: Arc::new(read) }
@@ -327,7 +446,7 @@ mod tests {
 
     #[test]
     fn a_relist_replaces_the_objects_atomically_and_drops_what_was_not_listed() {
-        let mut store = KindStore::new("Service");
+        let mut store = KindStore::new("Service", Some(desired::service_key));
         for event in [watcher::Event::Init, watcher::Event::InitApply(svc("a")), watcher::Event::InitApply(svc("b"))] {
             assert!(!store.apply(event));
         }

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use tokio::sync::watch;
 
-use crate::desired::{ClusterState, Rejection};
+use crate::desired::{Changes, ClusterState, Rejection};
 
 /// One complete view of the cluster, plus objects the source could not read.
 #[derive(Clone, Debug, Default)]
@@ -23,6 +23,12 @@ pub struct Snapshot {
     /// When the source received the oldest change not in the view read before this one (none:
     /// the same view again). Health and network-programming latency are measured from it.
     pub changed_at: Option<Instant>,
+    /// What changed since the view read before (`All` unless the source tracks it).
+    pub changes: Changes,
+    /// When each change in this view was made, if the source recorded it (kube-proxy's network
+    /// programming latency: an EndpointSlice's trigger-time annotation, else its arrival);
+    /// `None`: the agent works it out by comparing views.
+    pub change_times: Option<Vec<std::time::SystemTime>>,
 }
 
 /// The agent's side of a running source.

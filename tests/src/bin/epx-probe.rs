@@ -343,6 +343,25 @@ fn udp_client_socket(to: SocketAddr, source_port: u16) -> std::io::Result<UdpSoc
     }
 }
 
+/// One new UDP flow of `epx-probe load`: the request is sent up to three times on the same
+/// socket, a third of `timeout` apart. Returns the answer and how many resends it took.
+fn udp_flow(to: SocketAddr, timeout: Duration) -> std::io::Result<(String, u32)> {
+    const TRIES: u32 = 3;
+    let socket = udp_client_socket(to, 0)?;
+    socket.set_read_timeout(Some(timeout / TRIES))?;
+    let mut buf = [0u8; 2048];
+    for resent in 0..TRIES {
+        socket.send_to(b"ping", to)?;
+        match socket.recv_from(&mut buf) {
+            Ok((n, from)) if from == to => return Ok((String::from_utf8_lossy(&buf[..n]).trim_end().to_owned(), resent)),
+            Ok((_, from)) => return Err(std::io::Error::other(format!("reply came from {from}, expected {to}"))),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(std::io::Error::from(std::io::ErrorKind::TimedOut))
+}
+
 fn udp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
     udp_once_from(0, to, timeout)
 }
@@ -446,7 +465,7 @@ fn load(kind: &str, to: SocketAddr, clients: u32, count: u32, rate: u32, timeout
                 let mut next = Instant::now();
                 (0..count)
                     .map(|_| {
-                        let result = if udp { udp_once(to, timeout) } else { tcp_once(to, timeout) };
+                        let result = if udp { udp_flow(to, timeout) } else { tcp_once(to, timeout).map(|name| (name, 0)) };
                         if let Some(period) = period {
                             next += period;
                             if let Some(wait) = next.checked_duration_since(Instant::now()) {
@@ -465,7 +484,8 @@ fn load(kind: &str, to: SocketAddr, clients: u32, count: u32, rate: u32, timeout
     for thread in threads {
         for (i, result) in thread.join().expect("load client").into_iter().enumerate() {
             match result {
-                Ok(name) => {
+                Ok((name, resent)) => {
+                    summary.retried += resent;
                     summary.ok += 1;
                     *summary.answers.entry(name).or_default() += 1;
                 }
