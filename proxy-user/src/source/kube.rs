@@ -160,16 +160,16 @@ impl<K: Resource + Clone + PartialEq> KindStore<K> {
                 // Only what the relist changed concerns the datapath: after an API outage that
                 // is usually nothing, whatever the number of Services.
                 let keys: BTreeSet<ObjectKey> = old.keys().chain(self.objects.keys()).cloned().collect();
-                let mut any = false;
                 for key in keys {
                     let new = self.objects.get(&key).cloned();
                     let before = old.get(&key);
                     if before.map(|o| &**o) != new.as_deref() {
                         self.changed(&key, before.map(|o| &**o), new.as_deref());
-                        any = true;
                     }
                 }
-                any
+                // A complete list counts as a new view even when it changed nothing: the first
+                // one (of an empty kind, too) is what the agent waits for.
+                true
             }
         }
     }
