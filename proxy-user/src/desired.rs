@@ -11,6 +11,7 @@
 //! traffic policy makes them differ.
 
 mod endpoints;
+mod rejection;
 #[cfg(test)]
 mod tests;
 
@@ -25,6 +26,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::ipparse::{parse_ip_sloppy, special_address, Cidr};
 use endpoints::{categorize, merge_slices, Categorized, NodeView, ServiceEndpoints};
+pub use rejection::{
+    AddressField, Conflict, FamilyMissingOn, InvalidAddress, InvalidPort, Malformed, ObjectKind, RejectReason, RejectedObject,
+    Rejection,
+};
 
 /// Label tying an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -45,11 +50,11 @@ pub enum Proto {
 }
 
 impl Proto {
-    fn from_k8s(protocol: Option<&str>) -> Result<Self, String> {
+    fn from_k8s(protocol: Option<&str>) -> Result<Self, RejectReason> {
         match protocol.unwrap_or("TCP") {
             "TCP" => Ok(Self::Tcp),
             "UDP" => Ok(Self::Udp),
-            other => Err(format!("protocol {other} is not supported")),
+            other => Err(RejectReason::UnsupportedProtocol { protocol: other.to_owned() }),
         }
     }
 
@@ -237,20 +242,6 @@ pub struct FrontendSpec {
     pub backends: Vec<Backend>,
 }
 
-/// An object (or part of one) that was not programmed, and why. Reported once per change.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Rejection {
-    /// `Service ns/name` or `EndpointSlice ns/name`.
-    pub object: String,
-    pub reason: String,
-}
-
-impl fmt::Display for Rejection {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.object, self.reason)
-    }
-}
-
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredState {
     pub frontends: BTreeMap<Frontend, FrontendSpec>,
@@ -350,10 +341,10 @@ pub fn compute(cluster: &ClusterState, config: &NodeConfig) -> DesiredState {
     for (service, slices) in &merged.slice_names {
         if !existing.contains(service) {
             for slice in slices {
-                state.rejections.push(Rejection {
-                    object: format!("EndpointSlice {}/{slice}", service.0),
-                    reason: format!("its Service {}/{} does not exist", service.0, service.1),
-                });
+                state.rejections.push(Rejection::new(
+                    RejectedObject::endpoint_slice(&service.0, slice),
+                    RejectReason::MissingService { namespace: service.0.clone(), name: service.1.clone() },
+                ));
             }
         }
     }
@@ -372,24 +363,24 @@ pub fn compute(cluster: &ClusterState, config: &NodeConfig) -> DesiredState {
         let service_endpoints = merged.by_service.get(&(namespace.clone(), name.clone()));
         let mut service_rejections = Vec::new();
         service_candidates(service, service_endpoints, &node, &mut candidates, &mut service_rejections);
-        let object = format!("Service {namespace}/{name}");
-        state.rejections.extend(service_rejections.into_iter().map(|reason| Rejection { object: object.clone(), reason }));
+        let object = RejectedObject::service(&namespace, &name);
+        state.rejections.extend(service_rejections.into_iter().map(|reason| Rejection::new(object.clone(), reason)));
     }
 
     candidates.sort_by_key(|(_, candidate)| candidate.phase());
     for (object, candidate) in candidates {
         let internal = Frontend { addr: candidate.addr, port: candidate.port, proto: candidate.proto, scope: Scope::Internal };
         if let Some(owner) = state.frontends.get(&internal) {
-            state.rejections.push(Rejection {
+            state.rejections.push(Rejection::new(
                 object,
-                reason: format!(
-                    "{} {internal} of port {:?} is already used by Service {} as its {}",
-                    candidate.kind.name(),
-                    candidate.service.port,
-                    owner.service,
-                    owner.kind.name()
-                ),
-            });
+                RejectReason::Conflict(Conflict::FrontendTaken {
+                    kind: candidate.kind,
+                    frontend: internal,
+                    port_name: candidate.service.port.clone(),
+                    owner: owner.service.clone(),
+                    owner_kind: owner.kind,
+                }),
+            ));
             continue;
         }
         for (scope, (backends, local_only)) in [(Scope::Internal, candidate.internal), (Scope::External, candidate.external)] {
@@ -473,31 +464,34 @@ fn service_candidates(
     service: &Service,
     endpoints: Option<&ServiceEndpoints>,
     node: &ThisNode<'_>,
-    candidates: &mut Vec<(String, Candidate)>,
-    problems: &mut Vec<String>,
+    candidates: &mut Vec<(RejectedObject, Candidate)>,
+    problems: &mut Vec<RejectReason>,
 ) {
     if is_ignored(service) {
         return;
     }
     let Some(spec) = &service.spec else { return };
     let (namespace, name) = object_name(&service.metadata);
-    let object = format!("Service {namespace}/{name}");
+    let object = RejectedObject::service(&namespace, &name);
 
     let mut families = Vec::new();
     for text in cluster_ip_texts(service) {
         match parse_ip_sloppy(text) {
             Some(ip) if special_address(ip).is_some() => {
                 let class = special_address(ip).unwrap_or_default();
-                problems.push(format!("clusterIP {ip} is a {class} address, which the API server never allocates"));
+                let field = AddressField::Frontend(FrontendKind::ClusterIp);
+                problems.push(RejectReason::InvalidAddress(InvalidAddress::Special { field, addr: ip, class }));
                 return;
             }
             Some(ip) if node.has_family(Family::of(ip)) => families.push((Family::of(ip), ip)),
-            Some(ip) => problems.push(format!(
-                "clusterIP {ip} skipped: this node has no address of family {}",
-                Family::of(ip).name()
-            )),
+            Some(ip) => problems.push(RejectReason::UnsupportedFamily {
+                kind: FrontendKind::ClusterIp,
+                addr: ip,
+                missing_on: FamilyMissingOn::Node,
+            }),
             None => {
-                problems.push(format!("invalid clusterIP {text:?}"));
+                let field = AddressField::Frontend(FrontendKind::ClusterIp);
+                problems.push(RejectReason::InvalidAddress(InvalidAddress::Unparsable { field, text: text.to_owned() }));
                 return;
             }
         }
@@ -599,26 +593,24 @@ fn external_addresses<'a>(
     kind: FrontendKind,
     families: &[(Family, IpAddr)],
     node: &ThisNode<'_>,
-    problems: &mut Vec<String>,
+    problems: &mut Vec<RejectReason>,
 ) -> Vec<(IpAddr, FrontendKind)> {
     let mut addrs = Vec::new();
+    let field = AddressField::Frontend(kind);
     for text in texts {
         let Some(addr) = parse_ip_sloppy(text) else {
-            problems.push(format!("invalid {} {text:?}", kind.name()));
+            problems.push(RejectReason::InvalidAddress(InvalidAddress::Unparsable { field, text: text.to_owned() }));
             continue;
         };
         let family = Family::of(addr);
         if let Some(class) = special_address(addr) {
-            problems.push(format!("{} {addr} is a {class} address, which the API server's validation refuses", kind.name()));
+            problems.push(RejectReason::InvalidAddress(InvalidAddress::Special { field, addr, class }));
         } else if node.addresses.contains(&addr) {
-            problems.push(format!(
-                "{} {addr} would hijack an address of this node; node addresses are never given to a Service",
-                kind.name()
-            ));
+            problems.push(RejectReason::Conflict(Conflict::NodeAddress { kind, addr }));
         } else if !node.has_family(family) {
-            problems.push(format!("{} {addr} skipped: this node has no address of family {}", kind.name(), family.name()));
+            problems.push(RejectReason::UnsupportedFamily { kind, addr, missing_on: FamilyMissingOn::Node });
         } else if !families.iter().any(|(f, _)| *f == family) {
-            problems.push(format!("{} {addr} skipped: the Service has no clusterIP of family {}", kind.name(), family.name()));
+            problems.push(RejectReason::UnsupportedFamily { kind, addr, missing_on: FamilyMissingOn::Service });
         } else if !addrs.contains(&(addr, kind)) {
             addrs.push((addr, kind));
         }
@@ -657,30 +649,30 @@ fn cluster_ip_texts(service: &Service) -> Vec<&str> {
     }
 }
 
-fn service_port(port: &ServicePort) -> Result<(PortKey, u16), String> {
+fn service_port(port: &ServicePort) -> Result<(PortKey, u16), RejectReason> {
     let proto = Proto::from_k8s(port.protocol.as_deref())?;
     let number = u16::try_from(port.port)
         .ok()
         .filter(|p| *p != 0)
-        .ok_or_else(|| format!("invalid port {}", port.port))?;
+        .ok_or(RejectReason::InvalidPort(InvalidPort::Port { port: port.port }))?;
     Ok(((port.name.clone().unwrap_or_default(), proto), number))
 }
 
 /// The port's NodePort, if it has one. kube-proxy programs any non-zero `nodePort`; a NodePort
 /// Service without one (only possible outside the API server, which allocates it) is reported.
-fn node_port(service_type: Option<&str>, port: &ServicePort) -> Result<Option<u16>, String> {
-    let port_name = port.name.as_deref().unwrap_or_default();
+fn node_port(service_type: Option<&str>, port: &ServicePort) -> Result<Option<u16>, RejectReason> {
+    let port_name = port.name.clone().unwrap_or_default();
     match port.node_port.unwrap_or(0) {
-        0 if service_type == Some("NodePort") => Err(format!("port {port_name:?}: invalid nodePort 0 for type NodePort")),
+        0 if service_type == Some("NodePort") => Err(RejectReason::InvalidPort(InvalidPort::MissingNodePort { port_name })),
         0 => Ok(None),
         number => u16::try_from(number)
             .map(Some)
-            .map_err(|_| format!("port {port_name:?}: invalid nodePort {number}")),
+            .map_err(|_| RejectReason::InvalidPort(InvalidPort::NodePort { port_name, node_port: number })),
     }
 }
 
 /// `sessionAffinity: ClientIP`: the timeout in seconds (the API allows 1..=86400, default 10800).
-fn affinity_timeout(spec: &k8s_openapi::api::core::v1::ServiceSpec, problems: &mut Vec<String>) -> Option<u32> {
+fn affinity_timeout(spec: &k8s_openapi::api::core::v1::ServiceSpec, problems: &mut Vec<RejectReason>) -> Option<u32> {
     if spec.session_affinity.as_deref() != Some("ClientIP") {
         return None;
     }
@@ -690,9 +682,7 @@ fn affinity_timeout(spec: &k8s_openapi::api::core::v1::ServiceSpec, problems: &m
         Some(seconds) => match u32::try_from(seconds).ok().filter(|s| (1..=MAX_AFFINITY_TIMEOUT).contains(s)) {
             Some(seconds) => Some(seconds),
             None => {
-                problems.push(format!(
-                    "sessionAffinityConfig.clientIP.timeoutSeconds {seconds} is outside 1..={MAX_AFFINITY_TIMEOUT}; using {DEFAULT_AFFINITY_TIMEOUT}"
-                ));
+                problems.push(RejectReason::InvalidSessionAffinity { timeout_seconds: seconds });
                 Some(DEFAULT_AFFINITY_TIMEOUT)
             }
         },
