@@ -110,10 +110,11 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             .with_context(|| format!("binding --healthz-bind {}", args.healthz_bind))?
     };
     let _metrics = {
-        let status = status.clone();
         let bpffs = args.bpffs.clone();
-        let source_health = source_health.clone();
-        http::serve(args.metrics_bind, move |path| metrics(&status, &source_health, &bpffs, path))
+        let registry = metrics::registry(&status.lock().expect("status lock").metrics, source_health.clone(), move || {
+            kernel::read_counters(&bpffs)
+        });
+        http::serve(args.metrics_bind, move |path| metrics(&registry, path))
             .await
             .with_context(|| format!("binding --metrics-bind {}", args.metrics_bind))?
     };
@@ -242,51 +243,55 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         failing = !report.failures.is_empty();
 
         health_checks.sync(&healthcheck::health_checks(&snapshot.cluster, &args.node_name)).await;
-        if snapshot.change_times.is_none() {
-            last_view = snapshot.cluster;
-        }
 
         let mut st = status.lock().expect("status lock");
+        // Counted after the maps are written: comparing the views takes a while at scale.
+        if snapshot.changed_at.is_some() {
+            st.metrics.changes_seen(&last_view, &snapshot.cluster);
+        }
+        last_view = snapshot.cluster;
         for rejection in new_rejections {
             st.metrics.count_rejection(rejection);
         }
-        st.metrics.frontends = reconciler.programmed_frontends();
-        st.metrics.backends = reconciler.programmed_backends();
-        if report.writes > 0 || !report.failures.is_empty() || st.metrics.syncs == 0 {
-            st.metrics.services = metrics::programmed_services(
+        st.metrics.frontends.set(metrics::gauge_count(reconciler.programmed_frontends()));
+        st.metrics.backends.set(metrics::gauge_count(reconciler.programmed_backends()));
+        if report.writes > 0 || !report.failures.is_empty() || st.metrics.successful_syncs() == 0 {
+            st.metrics.services.set(metrics::gauge_count(metrics::programmed_services(
                 desired.frontends.values().map(|spec| &spec.service),
                 report.failures.iter().map(|f| f.what.as_str()),
-            );
+            )));
         }
-        st.metrics.rejected_now = rejections.len();
-        st.metrics.health_check_ports = health_checks.open_ports();
+        st.metrics.rejected_now.set(metrics::gauge_count(rejections.len()));
+        st.metrics.health_check_ports.set(metrics::gauge_count(health_checks.open_ports()));
         st.metrics.sync_duration.observe(elapsed.as_secs_f64());
         st.datapath_error =
             report.failures.first().map(|f| format!("not programmed: {}: {}", f.what, error_chain(&f.error)));
         if failing {
-            st.metrics.sync_failures += 1;
+            st.metrics.sync_failures.inc();
             // A failed sync leaves the datapath behind even when no source change caused it (the
             // node's addresses changed): it counts as pending from now on.
             st.oldest_unprogrammed_change.get_or_insert(started);
         } else {
             let now = SystemTime::now();
-            st.metrics.syncs += 1;
-            st.last_synced = Some(now_unix());
-            st.metrics.last_sync_timestamp = st.last_synced;
+            st.metrics.syncs.inc();
+            let synced_at = now_unix();
+            st.last_synced = Some(synced_at);
+            st.metrics.last_sync_timestamp.set(synced_at);
+            st.metrics.changes_programmed();
             st.restored_from_checkpoint = false;
             st.oldest_unprogrammed_change = None;
             for changed in unprogrammed_changes.drain(..) {
                 let latency = now.duration_since(changed).unwrap_or_default();
                 st.metrics.network_programming.observe(latency.as_secs_f64());
             }
-            if report.writes > 0 || st.metrics.syncs == 1 {
+            if report.writes > 0 || st.metrics.successful_syncs() == 1 {
                 st.checkpoint_wanted += 1;
             }
         }
-        if report.writes > 0 || failing || st.metrics.syncs == 1 {
+        if report.writes > 0 || failing || st.metrics.successful_syncs() == 1 {
             tracing::info!(
-                frontends = st.metrics.frontends,
-                backends = st.metrics.backends,
+                frontends = reconciler.programmed_frontends(),
+                backends = reconciler.programmed_backends(),
                 writes = report.writes,
                 failures = report.failures.len(),
                 took_ms = format!("{:.2}", elapsed.as_secs_f64() * 1e3),
@@ -509,12 +514,16 @@ fn healthz(status: &Mutex<Status>, source: &SourceHealth, stale_after: Duration,
     }
 }
 
-fn metrics(status: &Mutex<Status>, source: &SourceHealth, bpffs: &std::path::Path, path: &str) -> Response {
+/// `/metrics`: the registry in the text format. It takes no lock of the agent loop's: the
+/// metrics are atomics shared with the loop, and the stats map is read by its collector.
+fn metrics(registry: &prometheus_client::registry::Registry, path: &str) -> Response {
     if path != "/metrics" {
         return Response::text(404, "not found");
     }
-    // The stats map is read before taking the lock the agent loop needs.
-    let counters = kernel::read_counters(bpffs).ok();
-    let body = metrics::render(&status.lock().expect("status lock").metrics, source.failing().is_none(), counters.as_deref());
-    Response { status: 200, content_type: metrics::CONTENT_TYPE, body }
+    match metrics::render(registry) {
+        Ok(body) => Response { status: 200, content_type: metrics::CONTENT_TYPE, body },
+        // Only a failing `fmt::Write` can fail rendering, and a String never fails: kept as a
+        // 500 rather than a panic in the HTTP task.
+        Err(_) => Response::text(500, "cannot render the metrics"),
+    }
 }

@@ -12,6 +12,7 @@
 
 mod endpoints;
 mod incremental;
+mod rejection;
 #[cfg(test)]
 mod tests;
 
@@ -27,6 +28,10 @@ use serde::{Deserialize, Serialize};
 use crate::ipparse::{parse_ip_sloppy, special_address, Cidr};
 use endpoints::{categorize, Categorized, NodeView, ServiceEndpoints};
 pub use incremental::{group, service_key, slice_service_key, Changes, Incremental, ServiceKey, ServiceObjects};
+pub use rejection::{
+    AddressField, Conflict, FamilyMissingOn, InvalidAddress, InvalidPort, Malformed, ObjectKind, RejectReason, RejectedObject,
+    Rejection,
+};
 
 /// Label tying an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -47,11 +52,11 @@ pub enum Proto {
 }
 
 impl Proto {
-    fn from_k8s(protocol: Option<&str>) -> Result<Self, String> {
+    fn from_k8s(protocol: Option<&str>) -> Result<Self, RejectReason> {
         match protocol.unwrap_or("TCP") {
             "TCP" => Ok(Self::Tcp),
             "UDP" => Ok(Self::Udp),
-            other => Err(format!("protocol {other} is not supported")),
+            other => Err(RejectReason::UnsupportedProtocol { protocol: other.to_owned() }),
         }
     }
 
@@ -239,20 +244,6 @@ pub struct FrontendSpec {
     pub backends: Vec<Backend>,
 }
 
-/// An object (or part of one) that was not programmed, and why. Reported once per change.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Rejection {
-    /// `Service ns/name` or `EndpointSlice ns/name`.
-    pub object: String,
-    pub reason: String,
-}
-
-impl fmt::Display for Rejection {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.object, self.reason)
-    }
-}
-
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredState {
     /// Shared (`Arc`): a Service's internal and external entries are usually the same, and a
@@ -413,7 +404,7 @@ fn service_candidates(
     endpoints: Option<&ServiceEndpoints>,
     node: &ThisNode<'_>,
     candidates: &mut Vec<Candidate>,
-    problems: &mut Vec<String>,
+    problems: &mut Vec<RejectReason>,
 ) {
     if is_ignored(service) {
         return;
@@ -426,16 +417,19 @@ fn service_candidates(
         match parse_ip_sloppy(text) {
             Some(ip) if special_address(ip).is_some() => {
                 let class = special_address(ip).unwrap_or_default();
-                problems.push(format!("clusterIP {ip} is a {class} address, which the API server never allocates"));
+                let field = AddressField::Frontend(FrontendKind::ClusterIp);
+                problems.push(RejectReason::InvalidAddress(InvalidAddress::Special { field, addr: ip, class }));
                 return;
             }
             Some(ip) if node.has_family(Family::of(ip)) => families.push((Family::of(ip), ip)),
-            Some(ip) => problems.push(format!(
-                "clusterIP {ip} skipped: this node has no address of family {}",
-                Family::of(ip).name()
-            )),
+            Some(ip) => problems.push(RejectReason::UnsupportedFamily {
+                kind: FrontendKind::ClusterIp,
+                addr: ip,
+                missing_on: FamilyMissingOn::Node,
+            }),
             None => {
-                problems.push(format!("invalid clusterIP {text:?}"));
+                let field = AddressField::Frontend(FrontendKind::ClusterIp);
+                problems.push(RejectReason::InvalidAddress(InvalidAddress::Unparsable { field, text: text.to_owned() }));
                 return;
             }
         }
@@ -534,26 +528,24 @@ fn external_addresses<'a>(
     kind: FrontendKind,
     families: &[(Family, IpAddr)],
     node: &ThisNode<'_>,
-    problems: &mut Vec<String>,
+    problems: &mut Vec<RejectReason>,
 ) -> Vec<(IpAddr, FrontendKind)> {
     let mut addrs = Vec::new();
+    let field = AddressField::Frontend(kind);
     for text in texts {
         let Some(addr) = parse_ip_sloppy(text) else {
-            problems.push(format!("invalid {} {text:?}", kind.name()));
+            problems.push(RejectReason::InvalidAddress(InvalidAddress::Unparsable { field, text: text.to_owned() }));
             continue;
         };
         let family = Family::of(addr);
         if let Some(class) = special_address(addr) {
-            problems.push(format!("{} {addr} is a {class} address, which the API server's validation refuses", kind.name()));
+            problems.push(RejectReason::InvalidAddress(InvalidAddress::Special { field, addr, class }));
         } else if node.addresses.contains(&addr) {
-            problems.push(format!(
-                "{} {addr} would hijack an address of this node; node addresses are never given to a Service",
-                kind.name()
-            ));
+            problems.push(RejectReason::Conflict(Conflict::NodeAddress { kind, addr }));
         } else if !node.has_family(family) {
-            problems.push(format!("{} {addr} skipped: this node has no address of family {}", kind.name(), family.name()));
+            problems.push(RejectReason::UnsupportedFamily { kind, addr, missing_on: FamilyMissingOn::Node });
         } else if !families.iter().any(|(f, _)| *f == family) {
-            problems.push(format!("{} {addr} skipped: the Service has no clusterIP of family {}", kind.name(), family.name()));
+            problems.push(RejectReason::UnsupportedFamily { kind, addr, missing_on: FamilyMissingOn::Service });
         } else if !addrs.contains(&(addr, kind)) {
             addrs.push((addr, kind));
         }
@@ -592,30 +584,30 @@ fn cluster_ip_texts(service: &Service) -> Vec<&str> {
     }
 }
 
-fn service_port(port: &ServicePort) -> Result<(PortKey, u16), String> {
+fn service_port(port: &ServicePort) -> Result<(PortKey, u16), RejectReason> {
     let proto = Proto::from_k8s(port.protocol.as_deref())?;
     let number = u16::try_from(port.port)
         .ok()
         .filter(|p| *p != 0)
-        .ok_or_else(|| format!("invalid port {}", port.port))?;
+        .ok_or(RejectReason::InvalidPort(InvalidPort::Port { port: port.port }))?;
     Ok(((port.name.clone().unwrap_or_default(), proto), number))
 }
 
 /// The port's NodePort, if it has one. kube-proxy programs any non-zero `nodePort`; a NodePort
 /// Service without one (only possible outside the API server, which allocates it) is reported.
-fn node_port(service_type: Option<&str>, port: &ServicePort) -> Result<Option<u16>, String> {
-    let port_name = port.name.as_deref().unwrap_or_default();
+fn node_port(service_type: Option<&str>, port: &ServicePort) -> Result<Option<u16>, RejectReason> {
+    let port_name = port.name.clone().unwrap_or_default();
     match port.node_port.unwrap_or(0) {
-        0 if service_type == Some("NodePort") => Err(format!("port {port_name:?}: invalid nodePort 0 for type NodePort")),
+        0 if service_type == Some("NodePort") => Err(RejectReason::InvalidPort(InvalidPort::MissingNodePort { port_name })),
         0 => Ok(None),
         number => u16::try_from(number)
             .map(Some)
-            .map_err(|_| format!("port {port_name:?}: invalid nodePort {number}")),
+            .map_err(|_| RejectReason::InvalidPort(InvalidPort::NodePort { port_name, node_port: number })),
     }
 }
 
 /// `sessionAffinity: ClientIP`: the timeout in seconds (the API allows 1..=86400, default 10800).
-fn affinity_timeout(spec: &k8s_openapi::api::core::v1::ServiceSpec, problems: &mut Vec<String>) -> Option<u32> {
+fn affinity_timeout(spec: &k8s_openapi::api::core::v1::ServiceSpec, problems: &mut Vec<RejectReason>) -> Option<u32> {
     if spec.session_affinity.as_deref() != Some("ClientIP") {
         return None;
     }
@@ -625,9 +617,7 @@ fn affinity_timeout(spec: &k8s_openapi::api::core::v1::ServiceSpec, problems: &m
         Some(seconds) => match u32::try_from(seconds).ok().filter(|s| (1..=MAX_AFFINITY_TIMEOUT).contains(s)) {
             Some(seconds) => Some(seconds),
             None => {
-                problems.push(format!(
-                    "sessionAffinityConfig.clientIP.timeoutSeconds {seconds} is outside 1..={MAX_AFFINITY_TIMEOUT}; using {DEFAULT_AFFINITY_TIMEOUT}"
-                ));
+                problems.push(RejectReason::InvalidSessionAffinity { timeout_seconds: seconds });
                 Some(DEFAULT_AFFINITY_TIMEOUT)
             }
         },

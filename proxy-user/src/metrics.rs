@@ -1,313 +1,314 @@
-//! Prometheus metrics on `--metrics-bind`: a small writer for the text exposition format
-//! (version 0.0.4), histograms with kube-proxy's buckets, and what the agent records per sync.
+//! Prometheus metrics on `--metrics-bind`: a prometheus-client [`Registry`] holding what the agent
+//! records per sync, under our `ebpf_proxy_*` names and under the `kubeproxy_*` names that
+//! kube-proxy dashboards and alerts query (with kube-proxy's buckets and help texts), and
+//! collectors that read at scrape time what lives elsewhere: the datapath's per-CPU counters and
+//! whether the source is connected.
 //!
-//! No prometheus crate: the agent exports a dozen families, renders them on request, and every
-//! line of the format it relies on is unit-tested here. This module only formats and counts; the
-//! agent loop decides what to record, and `kernel::read_counters` supplies the datapath counters.
+//! This module only defines, counts and renders; the agent loop decides what to record.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt::Write as _;
+use std::fmt;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{exponential_buckets, linear_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Metric, Registry};
 
 use crate::desired::{ClusterState, Rejection, ServicePortName};
+use crate::kernel::DatapathError;
+use crate::source::SourceHealth;
 
-/// `Content-Type` of the text exposition format.
-pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// `Content-Type` of the text exposition format (0.0.4), which is what kube-proxy serves too.
+pub use prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
 /// Set by the EndpointSlice controller to when the Pod or Service change behind the slice
 /// happened; kube-proxy measures network programming latency from it.
 pub const ANNOTATION_LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    Counter,
-    Gauge,
-    Histogram,
-}
-
-impl Kind {
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Counter => "counter",
-            Self::Gauge => "gauge",
-            Self::Histogram => "histogram",
-        }
-    }
-}
-
-/// Writes metric families in the text exposition format: `# HELP`, `# TYPE`, then the samples.
-#[derive(Default)]
-pub struct Exposition {
-    out: String,
-}
-
-impl Exposition {
-    /// Starts a family. Its samples must follow before the next family starts.
-    pub fn family(&mut self, name: &str, kind: Kind, help: &str) {
-        let help = help.replace('\\', r"\\").replace('\n', r"\n");
-        let _ = writeln!(self.out, "# HELP {name} {help}\n# TYPE {name} {}", kind.as_str());
-    }
-
-    pub fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
-        self.out.push_str(name);
-        if !labels.is_empty() {
-            self.out.push('{');
-            for (i, (label, value)) in labels.iter().enumerate() {
-                if i > 0 {
-                    self.out.push(',');
-                }
-                let value = value.replace('\\', r"\\").replace('"', "\\\"").replace('\n', r"\n");
-                let _ = write!(self.out, "{label}=\"{value}\"");
-            }
-            self.out.push('}');
-        }
-        let _ = writeln!(self.out, " {}", format_value(value));
-    }
-
-    /// A family with one unlabelled sample.
-    pub fn single(&mut self, name: &str, kind: Kind, help: &str, value: f64) {
-        self.family(name, kind, help);
-        self.sample(name, &[], value);
-    }
-
-    /// A histogram family: cumulative `_bucket` samples ending with `le="+Inf"`, `_sum`, `_count`.
-    pub fn histogram(&mut self, name: &str, help: &str, histogram: &Histogram) {
-        self.family(name, Kind::Histogram, help);
-        let bucket = format!("{name}_bucket");
-        let mut cumulative = 0;
-        for (bound, count) in histogram.bounds.iter().zip(&histogram.counts) {
-            cumulative += count;
-            self.sample(&bucket, &[("le", &format_value(*bound))], cumulative as f64);
-        }
-        self.sample(&bucket, &[("le", "+Inf")], histogram.count as f64);
-        self.sample(&format!("{name}_sum"), &[], histogram.sum);
-        self.sample(&format!("{name}_count"), &[], histogram.count as f64);
-    }
-
-    pub fn finish(self) -> String {
-        self.out
-    }
-}
-
-/// Sample values as Prometheus parses them (`+Inf`, `-Inf`, `NaN`; Rust would print `inf`).
-fn format_value(value: f64) -> String {
-    if value.is_nan() {
-        "NaN".to_owned()
-    } else if value.is_infinite() {
-        if value > 0.0 { "+Inf" } else { "-Inf" }.to_owned()
-    } else {
-        value.to_string()
-    }
-}
-
-/// A histogram with fixed upper bounds (`le`, inclusive), as Prometheus client libraries keep it.
-#[derive(Clone, Debug)]
-pub struct Histogram {
-    bounds: Vec<f64>,
-    /// Observations per bucket (not cumulative); those above the last bound are only in `count`.
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
-}
-
-impl Histogram {
-    pub fn new(bounds: Vec<f64>) -> Self {
-        debug_assert!(bounds.windows(2).all(|w| w[0] < w[1]), "bucket bounds must ascend");
-        Self { counts: vec![0; bounds.len()], bounds, sum: 0.0, count: 0 }
-    }
-
-    pub fn observe(&mut self, value: f64) {
-        if let Some(i) = self.bounds.iter().position(|bound| value <= *bound) {
-            self.counts[i] += 1;
-        }
-        self.sum += value;
-        self.count += 1;
-    }
-}
-
-/// `count` bounds: start, start·factor, start·factor², ... (Prometheus `ExponentialBuckets`).
-pub fn exponential_buckets(start: f64, factor: f64, count: usize) -> Vec<f64> {
-    std::iter::successors(Some(start), |b| Some(b * factor)).take(count).collect()
-}
-
-/// `count` bounds: start, start+width, ... (Prometheus `LinearBuckets`).
-pub fn linear_buckets(start: f64, width: f64, count: usize) -> Vec<f64> {
-    (0..count).map(|i| start + width * i as f64).collect()
-}
-
-/// kube-proxy's `sync_proxy_rules_duration_seconds` buckets: 1 ms to 16.4 s, doubling.
+/// kube-proxy's `sync_proxy_rules_duration_seconds` buckets: 1 ms to 16.4 s, doubling
+/// (`ExponentialBuckets(0.001, 2, 15)`, pkg/proxy/metrics/metrics.go).
 pub fn sync_duration_buckets() -> Vec<f64> {
-    exponential_buckets(0.001, 2.0, 15)
+    exponential_buckets(0.001, 2.0, 15).collect()
 }
 
-/// kube-proxy's `network_programming_duration_seconds` buckets: 0.25 s, 0.5 s, 1..59 s by 1 s,
-/// 60..115 s by 5 s, 2..5 min by 30 s.
+/// The positive bounds of kube-proxy's `network_programming_duration_seconds`: 0.25 s, 0.5 s,
+/// 1..59 s by 1 s, 60..115 s by 5 s, 2..5 min by 30 s.
 pub fn network_programming_buckets() -> Vec<f64> {
     [linear_buckets(0.25, 0.25, 2), linear_buckets(1.0, 1.0, 59), linear_buckets(60.0, 5.0, 12), linear_buckets(120.0, 30.0, 7)]
-        .concat()
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
-/// What the agent loop records about its syncs; rendered by [`render`].
+/// kube-proxy's exact `network_programming_duration_seconds` layout: component-base's
+/// `MergeBuckets` starts from a one-element slice, so a `le="0"` bucket precedes the positive
+/// bounds. Kept, so a dashboard's `le` selectors find the same series on both proxies.
+pub fn kube_proxy_network_programming_buckets() -> Vec<f64> {
+    std::iter::once(0.0).chain(network_programming_buckets()).collect()
+}
+
+/// `kind` and `reason` of `ebpf_proxy_rejected_objects_total`; both come from the rejection's
+/// type, so the label set is bounded.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RejectionLabels {
+    kind: &'static str,
+    reason: &'static str,
+}
+
+/// What the agent loop records. Each metric is a handle on what the registry renders (clones
+/// share their value), so recording needs no registry and scraping needs no lock of the loop's.
 #[derive(Clone, Debug)]
 pub struct SyncMetrics {
     pub sync_duration: Histogram,
     pub network_programming: Histogram,
-    pub syncs: u64,
-    pub sync_failures: u64,
-    /// Unix time of the last sync that programmed everything.
-    pub last_sync_timestamp: Option<f64>,
-    pub services: usize,
-    pub frontends: usize,
-    pub backends: usize,
+    pub syncs: Counter,
+    pub sync_failures: Counter,
+    /// Unix time of the last sync that programmed everything (0: none yet).
+    pub last_sync_timestamp: Gauge<f64, AtomicU64>,
+    pub services: Gauge,
+    pub frontends: Gauge,
+    pub backends: Gauge,
     /// Rejections in the last sync.
-    pub rejected_now: usize,
+    pub rejected_now: Gauge,
     /// Rejections by (kind, reason class), each counted once when first reported.
-    pub rejected_total: BTreeMap<(&'static str, &'static str), u64>,
+    rejected_total: Family<RejectionLabels, Counter>,
     /// healthCheckNodePort listeners open.
-    pub health_check_ports: usize,
+    pub health_check_ports: Gauge,
+    service_changes: Counter,
+    endpoint_changes: Counter,
+    service_changes_pending: Gauge,
+    endpoint_changes_pending: Gauge,
+    /// Objects changed since the last sync that programmed everything (the pending gauges).
+    pending: ObjectChanges,
 }
 
 impl Default for SyncMetrics {
     fn default() -> Self {
         Self {
             sync_duration: Histogram::new(sync_duration_buckets()),
-            network_programming: Histogram::new(network_programming_buckets()),
-            syncs: 0,
-            sync_failures: 0,
-            last_sync_timestamp: None,
-            services: 0,
-            frontends: 0,
-            backends: 0,
-            rejected_now: 0,
-            rejected_total: BTreeMap::new(),
-            health_check_ports: 0,
+            network_programming: Histogram::new(kube_proxy_network_programming_buckets()),
+            syncs: Counter::default(),
+            sync_failures: Counter::default(),
+            last_sync_timestamp: Gauge::default(),
+            services: Gauge::default(),
+            frontends: Gauge::default(),
+            backends: Gauge::default(),
+            rejected_now: Gauge::default(),
+            rejected_total: Family::default(),
+            health_check_ports: Gauge::default(),
+            service_changes: Counter::default(),
+            endpoint_changes: Counter::default(),
+            service_changes_pending: Gauge::default(),
+            endpoint_changes_pending: Gauge::default(),
+            pending: ObjectChanges::default(),
         }
     }
+}
+
+/// A count as a gauge value (gauges are i64; no count of objects reaches i64::MAX).
+pub fn gauge_count(count: usize) -> i64 {
+    i64::try_from(count).unwrap_or(i64::MAX)
 }
 
 impl SyncMetrics {
     pub fn count_rejection(&mut self, rejection: &Rejection) {
-        let key = (rejection_kind(&rejection.object), rejection_class(&rejection.reason));
-        *self.rejected_total.entry(key).or_default() += 1;
+        let labels = RejectionLabels { kind: rejection.object.kind_label(), reason: rejection.reason.class() };
+        self.rejected_total.get_or_create(&labels).inc();
+    }
+
+    /// A new view of the cluster was read: counts the Services and EndpointSlices that differ
+    /// from the previous view (kube-proxy's `*_changes_total`) and holds them as pending until
+    /// a sync programs everything.
+    pub fn changes_seen(&mut self, previous: &ClusterState, current: &ClusterState) {
+        let changes = ObjectChanges::between(previous, current);
+        self.service_changes.inc_by(changes.services.len() as u64);
+        self.endpoint_changes.inc_by(changes.slices.len() as u64);
+        self.pending.services.extend(changes.services);
+        self.pending.slices.extend(changes.slices);
+        self.service_changes_pending.set(gauge_count(self.pending.services.len()));
+        self.endpoint_changes_pending.set(gauge_count(self.pending.slices.len()));
+    }
+
+    /// A sync programmed everything: nothing is pending any more.
+    pub fn changes_programmed(&mut self) {
+        self.pending = ObjectChanges::default();
+        self.service_changes_pending.set(0);
+        self.endpoint_changes_pending.set(0);
+    }
+
+    /// Syncs that programmed everything so far.
+    pub fn successful_syncs(&self) -> u64 {
+        self.syncs.get()
     }
 }
 
-/// Renders every family. `datapath_counters` are the per-CPU stats summed over CPUs, in
-/// `proxy_abi::stat` order (none if the stats map cannot be read).
-pub fn render(metrics: &SyncMetrics, source_connected: bool, datapath_counters: Option<&[u64]>) -> String {
-    let mut out = Exposition::default();
-    out.histogram(
-        "ebpf_proxy_sync_duration_seconds",
-        "Duration of one sync of the datapath maps with the desired state (as kube-proxy's sync_proxy_rules_duration_seconds).",
-        &metrics.sync_duration,
-    );
-    out.histogram(
-        "ebpf_proxy_network_programming_duration_seconds",
-        "Time from an API change (an EndpointSlice's endpoints.kubernetes.io/last-change-trigger-time, else when the agent received it) to the datapath programmed.",
-        &metrics.network_programming,
-    );
-    out.single("ebpf_proxy_sync_total", Kind::Counter, "Syncs that programmed everything.", metrics.syncs as f64);
-    out.single(
-        "ebpf_proxy_sync_failures_total",
-        Kind::Counter,
-        "Syncs with a frontend that could not be programmed (retried every second).",
-        metrics.sync_failures as f64,
-    );
-    out.single(
-        "ebpf_proxy_last_sync_timestamp_seconds",
-        Kind::Gauge,
-        "Unix time of the last sync that programmed everything (0: none yet).",
-        metrics.last_sync_timestamp.unwrap_or(0.0),
-    );
-    out.single(
-        "ebpf_proxy_services_programmed",
-        Kind::Gauge,
-        "Services (namespace/name) whose frontends are all in the datapath.",
-        metrics.services as f64,
-    );
-    out.single(
-        "ebpf_proxy_frontends_programmed",
-        Kind::Gauge,
-        "Frontends (address, port, protocol, scope) in the datapath.",
-        metrics.frontends as f64,
-    );
-    out.single("ebpf_proxy_backends_programmed", Kind::Gauge, "Backends (address, port, protocol) in the datapath.", metrics.backends as f64);
-    out.single(
-        "ebpf_proxy_rejected_objects",
-        Kind::Gauge,
-        "Objects or parts of objects rejected in the last sync.",
-        metrics.rejected_now as f64,
-    );
-    out.family(
-        "ebpf_proxy_rejected_objects_total",
-        Kind::Counter,
-        "Rejected objects by kind and reason class, counted once when first reported.",
-    );
-    for ((kind, reason), count) in &metrics.rejected_total {
-        out.sample("ebpf_proxy_rejected_objects_total", &[("kind", kind), ("reason", reason)], *count as f64);
+/// Help texts of our families. The registry appends a period to each, so none ends with one.
+mod help {
+    pub const SYNC_DURATION: &str = "Duration of one sync of the datapath maps with the desired state (as kube-proxy's sync_proxy_rules_duration_seconds)";
+    pub const NETWORK_PROGRAMMING: &str = "Time from an API change (an EndpointSlice's endpoints.kubernetes.io/last-change-trigger-time, else when the agent received it) to the datapath programmed";
+    pub const SYNCS: &str = "Syncs that programmed everything";
+    pub const SYNC_FAILURES: &str = "Syncs with a frontend that could not be programmed (retried every second)";
+    pub const LAST_SYNC: &str = "Unix time of the last sync that programmed everything (0: none yet)";
+    pub const SERVICES: &str = "Services (namespace/name) whose frontends are all in the datapath";
+    pub const FRONTENDS: &str = "Frontends (address, port, protocol, scope) in the datapath";
+    pub const BACKENDS: &str = "Backends (address, port, protocol) in the datapath";
+    pub const REJECTED_NOW: &str = "Objects or parts of objects rejected in the last sync";
+    pub const REJECTED_TOTAL: &str = "Rejected objects by kind and reason class, counted once when first reported";
+    pub const HEALTH_CHECK_PORTS: &str = "healthCheckNodePort listeners open (externalTrafficPolicy: Local LoadBalancer Services)";
+    /// Collectors write their help as it is, period included.
+    pub const SOURCE_CONNECTED: &str = "1 while the source (API server or manifest file) answers and confirms its view, 0 during an outage.";
+    pub const DATAPATH_EVENTS: &str = "Datapath events by kind, summed over CPUs.";
+}
+
+/// Builds the registry of everything `/metrics` shows. `metrics` are the handles the agent
+/// records into; `datapath_counters` reads the per-CPU stats map summed over CPUs, in
+/// `proxy_abi::stat` order, at each scrape.
+pub fn registry(
+    metrics: &SyncMetrics,
+    source: Arc<SourceHealth>,
+    datapath_counters: impl Fn() -> Result<Vec<u64>, DatapathError> + Send + Sync + 'static,
+) -> Registry {
+    let mut registry = Registry::default();
+    let m = metrics;
+    registry.register("ebpf_proxy_sync_duration_seconds", help::SYNC_DURATION, m.sync_duration.clone());
+    registry.register("ebpf_proxy_network_programming_duration_seconds", help::NETWORK_PROGRAMMING, m.network_programming.clone());
+    // Counters are registered without `_total`: the encoder appends it.
+    registry.register("ebpf_proxy_sync", help::SYNCS, m.syncs.clone());
+    registry.register("ebpf_proxy_sync_failures", help::SYNC_FAILURES, m.sync_failures.clone());
+    registry.register("ebpf_proxy_last_sync_timestamp_seconds", help::LAST_SYNC, m.last_sync_timestamp.clone());
+    registry.register("ebpf_proxy_services_programmed", help::SERVICES, m.services.clone());
+    registry.register("ebpf_proxy_frontends_programmed", help::FRONTENDS, m.frontends.clone());
+    registry.register("ebpf_proxy_backends_programmed", help::BACKENDS, m.backends.clone());
+    registry.register("ebpf_proxy_rejected_objects", help::REJECTED_NOW, m.rejected_now.clone());
+    registry.register("ebpf_proxy_rejected_objects", help::REJECTED_TOTAL, m.rejected_total.clone());
+    registry.register("ebpf_proxy_health_check_node_ports", help::HEALTH_CHECK_PORTS, m.health_check_ports.clone());
+    registry.register_collector(Box::new(SourceConnected(source)));
+    registry.register_collector(Box::new(DatapathEvents { read: Box::new(datapath_counters) }));
+
+    // kube-proxy's names (pkg/proxy/metrics/metrics.go), on the same values where the meaning is
+    // the same. Left out: `sync_full_proxy_rules_duration_seconds` and `sync_partial_...`, since
+    // every sync here is the same diff of the whole desired state against the maps (no full
+    // versus partial resync to tell apart); `sync_proxy_rules_last_queued_timestamp_seconds`,
+    // since a change is only seen by the loop when it is about to sync it, so the gauge could
+    // never show the stalled loop it exists to reveal; and the iptables/nftables rule counts.
+    let kube_proxy: [(&'static str, &'static str, Box<dyn Metric>); 7] = [
+        ("kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds", Box::new(m.sync_duration.clone())),
+        ("kubeproxy_network_programming_duration_seconds", "In Cluster Network Programming Latency in seconds", Box::new(m.network_programming.clone())),
+        ("kubeproxy_sync_proxy_rules_last_timestamp_seconds", "The last time proxy rules were successfully synced", Box::new(m.last_sync_timestamp.clone())),
+        ("kubeproxy_sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes", Box::new(m.endpoint_changes.clone())),
+        ("kubeproxy_sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", Box::new(m.service_changes.clone())),
+        ("kubeproxy_sync_proxy_rules_endpoint_changes_pending", "Pending proxy rules Endpoint changes", Box::new(m.endpoint_changes_pending.clone())),
+        ("kubeproxy_sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes", Box::new(m.service_changes_pending.clone())),
+    ];
+    for (name, help, metric) in kube_proxy {
+        registry.register_collector(Box::new(KubeProxyName { name, help, metric }));
     }
-    out.single(
-        "ebpf_proxy_source_connected",
-        Kind::Gauge,
-        "1 while the source (API server or manifest file) answers and confirms its view, 0 during an outage.",
-        if source_connected { 1.0 } else { 0.0 },
-    );
-    out.single(
-        "ebpf_proxy_health_check_node_ports",
-        Kind::Gauge,
-        "healthCheckNodePort listeners open (externalTrafficPolicy: Local LoadBalancer Services).",
-        metrics.health_check_ports as f64,
-    );
-    if let Some(counters) = datapath_counters {
-        out.family("ebpf_proxy_datapath_events_total", Kind::Counter, "Datapath events by kind, summed over CPUs.");
-        for (value, name) in counters.iter().zip(proxy_abi::stat::NAMES) {
-            out.sample("ebpf_proxy_datapath_events_total", &[("event", name)], *value as f64);
+    registry
+}
+
+/// The registry in the text exposition format.
+pub fn render(registry: &Registry) -> Result<String, fmt::Error> {
+    let mut text = String::new();
+    prometheus_client::encoding::prometheus_text::encode(&mut text, registry)?;
+    Ok(text)
+}
+
+/// One of our metrics under a kube-proxy name. A collector rather than `Registry::register`,
+/// because the registry appends a period to the help text, and kube-proxy's reads
+/// `[ALPHA] <help>` (component-base annotates every metric with its stability level).
+#[derive(Debug)]
+struct KubeProxyName {
+    name: &'static str,
+    help: &'static str,
+    metric: Box<dyn Metric>,
+}
+
+impl Collector for KubeProxyName {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let help = format!("[ALPHA] {}", self.help);
+        let metric_encoder = encoder.encode_descriptor(self.name, &help, None, self.metric.metric_type())?;
+        self.metric.encode(metric_encoder)
+    }
+}
+
+/// `ebpf_proxy_source_connected`, read from the source's health at each scrape.
+#[derive(Debug)]
+struct SourceConnected(Arc<SourceHealth>);
+
+impl Collector for SourceConnected {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let gauge = ConstGauge::new(i64::from(self.0.failing().is_none()));
+        let metric_encoder = encoder.encode_descriptor("ebpf_proxy_source_connected", help::SOURCE_CONNECTED, None, gauge.metric_type())?;
+        gauge.encode(metric_encoder)
+    }
+}
+
+/// `ebpf_proxy_datapath_events_total{event}`: the kernel's per-CPU counters, summed over CPUs
+/// at each scrape. Left out of the scrape (logged at debug level) when the map cannot be read.
+struct DatapathEvents {
+    read: Box<dyn Fn() -> Result<Vec<u64>, DatapathError> + Send + Sync>,
+}
+
+impl fmt::Debug for DatapathEvents {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DatapathEvents").finish_non_exhaustive()
+    }
+}
+
+impl Collector for DatapathEvents {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let counters = match (self.read)() {
+            Ok(counters) => counters,
+            Err(error) => {
+                tracing::debug!("datapath counters left out of /metrics: {}", crate::agent::error_chain(&error));
+                return Ok(());
+            }
+        };
+        let mut family = encoder.encode_descriptor("ebpf_proxy_datapath_events", help::DATAPATH_EVENTS, None, MetricType::Counter)?;
+        for (value, event) in counters.iter().zip(proxy_abi::stat::NAMES) {
+            ConstCounter::new(*value).encode(family.encode_family(&[("event", event)])?)?;
         }
+        Ok(())
     }
-    out.finish()
 }
 
-/// The kind of a rejected object, from `Rejection::object` (`Service ns/name`,
-/// `EndpointSlice ns/name`, or `FILE document N (Kind)` for a manifest document). Bounded.
-pub fn rejection_kind(object: &str) -> &'static str {
-    const KINDS: [&str; 4] = ["Service", "EndpointSlice", "Node", "List"];
-    let named = object.split_whitespace().next().unwrap_or_default();
-    let in_parens = object.rsplit_once('(').and_then(|(_, k)| k.strip_suffix(')')).unwrap_or_default();
-    KINDS.into_iter().find(|k| *k == named || *k == in_parens).unwrap_or("unknown")
+/// Services and EndpointSlices, by (namespace, name), that were added, changed or removed
+/// between two views.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ObjectChanges {
+    pub services: BTreeSet<(String, String)>,
+    pub slices: BTreeSet<(String, String)>,
 }
 
-/// A bounded class for a rejection's free-text reason, so the metric's label set stays small.
-/// The texts come from `desired` and the sources; an unknown text counts as `other`.
-pub fn rejection_class(reason: &str) -> &'static str {
-    let reason = reason.to_ascii_lowercase();
-    let has = |words: &[&str]| words.iter().any(|w| reason.contains(w));
-    if has(&["already used", "hijack", "collide", "conflict"]) {
-        "conflict"
-    } else if has(&["family"]) {
-        "unsupported_family"
-    } else if has(&["protocol"]) {
-        "unsupported_protocol"
-    } else if has(&["addresstype"]) {
-        "unsupported_address_type"
-    } else if has(&["sessionaffinity"]) {
-        "invalid_session_affinity"
-    } else if has(&["invalid port", "invalid nodeport", "invalid targetport"]) {
-        "invalid_port"
-    } else if has(&["invalid"]) && has(&["ip", "address", "cidr"]) {
-        "invalid_address"
-    } else if has(&["label"]) {
-        "missing_service_label"
-    } else if has(&["does not exist"]) {
-        "missing_service"
-    } else if has(&["too many", "exceed"]) {
-        "too_large"
-    } else if has(&["yaml", "not a kubernetes object", "invalid type", "missing field", "unknown field", "unknown variant"]) {
-        "malformed"
-    } else {
-        "other"
+impl ObjectChanges {
+    pub fn between(previous: &ClusterState, current: &ClusterState) -> Self {
+        fn changed<T: PartialEq>(before: &[Arc<T>], after: &[Arc<T>], meta: fn(&T) -> &ObjectMeta) -> BTreeSet<(String, String)> {
+            let key = |object: &Arc<T>| {
+                let meta = meta(object);
+                (meta.namespace.clone().unwrap_or_default(), meta.name.clone().unwrap_or_default())
+            };
+            let before: BTreeMap<_, &Arc<T>> = before.iter().map(|o| (key(o), o)).collect();
+            let after: BTreeMap<_, &Arc<T>> = after.iter().map(|o| (key(o), o)).collect();
+            // The source shares unchanged objects between views: a pointer comparison settles most.
+            let same = |a: &Arc<T>, b: &Arc<T>| Arc::ptr_eq(a, b) || a == b;
+            let removed = before.keys().filter(|k| !after.contains_key(*k));
+            let added_or_changed = after.iter().filter(|(k, o)| before.get(*k).is_none_or(|b| !same(b, o))).map(|(k, _)| k);
+            removed.chain(added_or_changed).cloned().collect()
+        }
+        Self {
+            services: changed(&previous.services, &current.services, |s| &s.metadata),
+            slices: changed(&previous.slices, &current.slices, |s| &s.metadata),
+        }
     }
 }
 
@@ -389,63 +390,87 @@ pub fn trigger_time(slice: &EndpointSlice) -> Option<SystemTime> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::desired::{AddressField, FrontendKind, InvalidAddress, RejectReason, RejectedObject};
     use std::time::Duration;
 
-    #[test]
-    fn families_have_help_and_type_lines_and_escaped_labels() {
-        let mut out = Exposition::default();
-        out.single("a_total", Kind::Counter, "Line one\nline two \\ end.", 3.0);
-        out.family("b", Kind::Gauge, "B.");
-        out.sample("b", &[("x", "q\"uo\\te\nnl"), ("y", "2")], 0.5);
-        out.sample("b", &[], f64::INFINITY);
-        out.sample("b", &[], f64::NEG_INFINITY);
-        out.sample("b", &[], f64::NAN);
-        assert_eq!(
-            out.finish(),
-            "# HELP a_total Line one\\nline two \\\\ end.\n# TYPE a_total counter\na_total 3\n\
-             # HELP b B.\n# TYPE b gauge\nb{x=\"q\\\"uo\\\\te\\nnl\",y=\"2\"} 0.5\nb +Inf\nb -Inf\nb NaN\n"
-        );
+    /// A registry over `metrics`, with the source connected or not and the datapath counters
+    /// `0, 10, 20, ...` or unreadable.
+    fn rendered(metrics: &SyncMetrics, source_connected: bool, counters: bool) -> String {
+        let source = Arc::new(SourceHealth::default());
+        if !source_connected {
+            source.failed("down".into());
+        }
+        let read = move || match counters {
+            true => Ok((0..proxy_abi::stat::NAMES.len() as u64).map(|i| i * 10).collect()),
+            false => Err(DatapathError::NoObject),
+        };
+        render(&registry(metrics, source, read)).expect("render")
+    }
+
+    fn invalid_cluster_ip(name: &str, text: &str) -> Rejection {
+        let field = AddressField::Frontend(FrontendKind::ClusterIp);
+        Rejection::new(RejectedObject::service("demo", name), RejectReason::InvalidAddress(InvalidAddress::Unparsable { field, text: text.into() }))
     }
 
     #[test]
     fn histogram_buckets_are_cumulative_and_end_with_inf_sum_and_count() {
-        let mut histogram = Histogram::new(vec![0.5, 1.0, 2.5]);
-        for value in [0.1, 0.5, 0.7, 3.0, 2.5] {
-            histogram.observe(value);
+        let metrics = SyncMetrics::default();
+        for value in [0.0005, 0.003, 0.004, 0.5, 20.0] {
+            metrics.sync_duration.observe(value);
         }
-        let mut out = Exposition::default();
-        out.histogram("h_seconds", "H.", &histogram);
-        assert_eq!(
-            out.finish(),
-            "# HELP h_seconds H.\n# TYPE h_seconds histogram\n\
-             h_seconds_bucket{le=\"0.5\"} 2\nh_seconds_bucket{le=\"1\"} 3\nh_seconds_bucket{le=\"2.5\"} 4\n\
-             h_seconds_bucket{le=\"+Inf\"} 5\nh_seconds_sum 6.8\nh_seconds_count 5\n"
-        );
+        let text = rendered(&metrics, true, true);
+        for line in [
+            "ebpf_proxy_sync_duration_seconds_bucket{le=\"0.001\"} 1\n",
+            "ebpf_proxy_sync_duration_seconds_bucket{le=\"0.004\"} 3\n",
+            "ebpf_proxy_sync_duration_seconds_bucket{le=\"0.512\"} 4\n",
+            "ebpf_proxy_sync_duration_seconds_bucket{le=\"16.384\"} 4\n",
+            "ebpf_proxy_sync_duration_seconds_bucket{le=\"+Inf\"} 5\n",
+            "ebpf_proxy_sync_duration_seconds_sum 20.5075\n",
+            "ebpf_proxy_sync_duration_seconds_count 5\n",
+        ] {
+            assert!(text.contains(line), "{line}{text}");
+        }
     }
 
     #[test]
     fn bucket_layouts_are_kube_proxys() {
         let sync = sync_duration_buckets();
         assert_eq!(sync.len(), 15);
-        assert_eq!(sync.iter().map(|b| format_value(*b)).collect::<Vec<_>>()[..4], ["0.001", "0.002", "0.004", "0.008"]);
-        assert_eq!(format_value(sync[14]), "16.384");
+        assert_eq!(sync[..4], [0.001, 0.002, 0.004, 0.008]);
+        assert_eq!(sync[14], 16.384);
         let programming = network_programming_buckets();
         assert_eq!(programming.len(), 2 + 59 + 12 + 7);
         assert_eq!(programming[..4], [0.25, 0.5, 1.0, 2.0]);
         assert_eq!(programming[60..63], [59.0, 60.0, 65.0]);
         assert_eq!(programming[programming.len() - 1], 300.0);
         assert!(programming.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(kube_proxy_network_programming_buckets()[..2], [0.0, 0.25]);
+
+        // The bounds as kube-proxy (Go's shortest float format) writes them.
+        let text = rendered(&SyncMetrics::default(), true, true);
+        let bounds = |family: &str| -> Vec<String> {
+            let prefix = format!("{family}_bucket{{le=\"");
+            text.lines().filter_map(|l| Some(l.strip_prefix(&prefix)?.split('"').next()?.to_owned())).collect()
+        };
+        let sync = bounds("kubeproxy_sync_proxy_rules_duration_seconds");
+        assert_eq!(sync.len(), 16);
+        assert_eq!(sync[..4], ["0.001", "0.002", "0.004", "0.008"]);
+        assert_eq!(sync[14..], ["16.384", "+Inf"]);
+        let programming = bounds("kubeproxy_network_programming_duration_seconds");
+        assert_eq!(programming.len(), 1 + 80 + 1);
+        assert_eq!(programming[..5], ["0", "0.25", "0.5", "1", "2"]);
+        assert_eq!(programming[79..], ["270", "300", "+Inf"]);
+        assert_eq!(bounds("ebpf_proxy_network_programming_duration_seconds"), programming, "one histogram, two names");
     }
 
     #[test]
     fn render_has_every_family_once_and_the_datapath_counters_by_event() {
         let mut metrics = SyncMetrics::default();
         metrics.sync_duration.observe(0.003);
-        metrics.backends = 4;
-        metrics.count_rejection(&Rejection { object: "Service demo/bad".into(), reason: "invalid clusterIP \"10.96.0.999\"".into() });
-        metrics.count_rejection(&Rejection { object: "Service demo/bad2".into(), reason: "invalid clusterIP \"x\"".into() });
-        let counters: Vec<u64> = (0..proxy_abi::stat::NAMES.len() as u64).map(|i| i * 10).collect();
-        let text = render(&metrics, true, Some(&counters));
+        metrics.backends.set(4);
+        metrics.count_rejection(&invalid_cluster_ip("bad", "10.96.0.999"));
+        metrics.count_rejection(&invalid_cluster_ip("bad2", "x"));
+        let text = rendered(&metrics, true, true);
         for family in [
             "ebpf_proxy_sync_duration_seconds",
             "ebpf_proxy_network_programming_duration_seconds",
@@ -463,34 +488,101 @@ mod tests {
         assert!(text.contains("ebpf_proxy_rejected_objects_total{kind=\"Service\",reason=\"invalid_address\"} 2\n"), "{text}");
         assert!(text.contains("ebpf_proxy_source_connected 1\n"));
         assert!(text.contains(&format!("ebpf_proxy_datapath_events_total{{event=\"{}\"}} 10\n", proxy_abi::stat::NAMES[1])));
-        assert!(!render(&metrics, false, None).contains("datapath_events"));
+        assert!(!rendered(&metrics, false, false).contains("datapath_events"));
+        assert!(rendered(&metrics, false, false).contains("ebpf_proxy_source_connected 0\n"));
+    }
+
+    /// Our help texts as they were written by hand before the registry, and kube-proxy's as its
+    /// /metrics shows them.
+    #[test]
+    fn help_and_type_lines_are_ours_and_kube_proxys_verbatim() {
+        let text = rendered(&SyncMetrics::default(), true, true);
+        for lines in [
+            "# HELP ebpf_proxy_sync_total Syncs that programmed everything.\n# TYPE ebpf_proxy_sync_total counter\nebpf_proxy_sync_total 0\n",
+            "# HELP ebpf_proxy_rejected_objects Objects or parts of objects rejected in the last sync.\n# TYPE ebpf_proxy_rejected_objects gauge\n",
+            "# HELP ebpf_proxy_datapath_events_total Datapath events by kind, summed over CPUs.\n# TYPE ebpf_proxy_datapath_events_total counter\n",
+            "# HELP kubeproxy_sync_proxy_rules_duration_seconds [ALPHA] SyncProxyRules latency in seconds\n\
+             # TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n",
+            "# HELP kubeproxy_network_programming_duration_seconds [ALPHA] In Cluster Network Programming Latency in seconds\n",
+            "# HELP kubeproxy_sync_proxy_rules_last_timestamp_seconds [ALPHA] The last time proxy rules were successfully synced\n\
+             # TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge\nkubeproxy_sync_proxy_rules_last_timestamp_seconds 0.0\n",
+            "# HELP kubeproxy_sync_proxy_rules_endpoint_changes_total [ALPHA] Cumulative proxy rules Endpoint changes\n\
+             # TYPE kubeproxy_sync_proxy_rules_endpoint_changes_total counter\n",
+            "# HELP kubeproxy_sync_proxy_rules_service_changes_pending [ALPHA] Pending proxy rules Service changes\n\
+             # TYPE kubeproxy_sync_proxy_rules_service_changes_pending gauge\n",
+        ] {
+            assert!(text.contains(lines), "{lines}\nnot in\n{text}");
+        }
     }
 
     #[test]
-    fn rejections_fall_into_a_bounded_set_of_kinds_and_classes() {
-        // The reasons as `desired` and the file source word them.
-        let cases = [
-            ("Service demo/a", "invalid clusterIP \"10.96.0.300\"", "Service", "invalid_address"),
-            ("Service demo/a", "invalid externalIP \"1.2.3.4/32\"", "Service", "invalid_address"),
-            ("Service demo/a", "invalid loadBalancer IP \"not-an-ip\"", "Service", "invalid_address"),
-            ("Service demo/a", "externalIP 10.96.0.10:80/TCP of port \"http\" is already used by Service demo/web:http as its clusterIP", "Service", "conflict"),
-            ("Service demo/a", "externalIP 10.244.1.1 would hijack an address of this node", "Service", "conflict"),
-            ("Service demo/a", "clusterIP fd00::10 skipped: this node has no address of family IPv6", "Service", "unsupported_family"),
-            ("Service demo/a", "protocol SCTP is not supported", "Service", "unsupported_protocol"),
-            ("Service demo/a", "invalid port 70000", "Service", "invalid_port"),
-            ("Service demo/a", "port \"zero\": invalid nodePort 0 for type NodePort", "Service", "invalid_port"),
-            ("Service demo/a", "sessionAffinityConfig.clientIP.timeoutSeconds 0 is outside 1..=86400", "Service", "invalid_session_affinity"),
-            ("EndpointSlice demo/s", "no kubernetes.io/service-name label", "EndpointSlice", "missing_service_label"),
-            ("EndpointSlice demo/s", "its Service demo/ghost does not exist", "EndpointSlice", "missing_service"),
-            ("EndpointSlice demo/s", "invalid IPv6 endpoint address \"x\"", "EndpointSlice", "invalid_address"),
-            ("EndpointSlice demo/s", "unsupported addressType \"IPv5\"", "EndpointSlice", "unsupported_address_type"),
-            ("m.yaml document 3 (Service)", "invalid type: string \"x\", expected a sequence", "Service", "malformed"),
-            ("m.yaml document 4", "not valid YAML: mapping values are not allowed", "unknown", "malformed"),
-            ("Mystery x", "something new", "unknown", "other"),
-        ];
-        for (object, reason, kind, class) in cases {
-            assert_eq!((rejection_kind(object), rejection_class(reason)), (kind, class), "{object}: {reason}");
+    fn both_names_show_the_same_sync_and_change_counts() {
+        let mut metrics = SyncMetrics::default();
+        metrics.sync_duration.observe(0.02);
+        metrics.last_sync_timestamp.set(1_700_000_000.5);
+        let before = ClusterState { slices: vec![slice("a", "10.0.0.1", None).into(), slice("b", "10.0.0.2", None).into()], ..Default::default() };
+        let mut after = before.clone();
+        after.slices[0] = slice("a", "10.0.0.3", None).into();
+        after.slices.remove(1);
+        after.slices.push(slice("c", "10.0.0.4", None).into());
+        metrics.changes_seen(&ClusterState::default(), &before);
+        metrics.changes_seen(&before, &after);
+        let text = rendered(&metrics, true, true);
+        for line in [
+            "ebpf_proxy_sync_duration_seconds_count 1\n",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count 1\n",
+            "ebpf_proxy_last_sync_timestamp_seconds 1700000000.5\n",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds 1700000000.5\n",
+            // 2 added, then a changed, b removed, c added.
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total 5\n",
+            "kubeproxy_sync_proxy_rules_service_changes_total 0\n",
+            // a, b and c have not been programmed yet.
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending 3\n",
+        ] {
+            assert!(text.contains(line), "{line}{text}");
         }
+        metrics.changes_programmed();
+        assert!(rendered(&metrics, true, true).contains("kubeproxy_sync_proxy_rules_endpoint_changes_pending 0\n"));
+        // The same view again changes nothing.
+        assert_eq!(ObjectChanges::between(&after, &after.clone()), ObjectChanges::default());
+    }
+
+    /// Every metric the shipped Grafana dashboard queries is one the agent exports.
+    #[test]
+    fn the_dashboard_queries_only_metrics_the_agent_exports() {
+        let mut metrics = SyncMetrics::default();
+        metrics.count_rejection(&invalid_cluster_ip("bad", "x"));
+        let text = rendered(&metrics, true, true);
+        let exported: BTreeSet<&str> =
+            text.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
+        let dashboard: serde_json::Value =
+            serde_json::from_str(include_str!("../../deploy/grafana-dashboard.json")).expect("dashboard JSON");
+        let queried = dashboard_metric_names(&dashboard);
+        assert!(queried.iter().any(|m| m.starts_with("kubeproxy_")) && queried.iter().any(|m| m.starts_with("ebpf_proxy_")));
+        let missing: Vec<_> = queried.iter().filter(|name| !exported.contains(name.as_str())).collect();
+        assert!(missing.is_empty(), "the dashboard queries {missing:?}, which /metrics lacks");
+    }
+
+    /// The `ebpf_proxy_*` and `kubeproxy_*` names in every `expr` of a dashboard.
+    fn dashboard_metric_names(value: &serde_json::Value) -> BTreeSet<String> {
+        let mut names = BTreeSet::new();
+        match value {
+            serde_json::Value::Object(fields) => {
+                for (key, field) in fields {
+                    match (key.as_str(), field) {
+                        ("expr", serde_json::Value::String(expr)) => names.extend(
+                            expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+                                .filter(|t| t.starts_with("ebpf_proxy_") || t.starts_with("kubeproxy_"))
+                                .map(str::to_owned),
+                        ),
+                        _ => names.extend(dashboard_metric_names(field)),
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|item| names.extend(dashboard_metric_names(item))),
+            _ => {}
+        }
+        names
     }
 
     #[test]

@@ -10,7 +10,10 @@ use std::net::IpAddr;
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
-use super::{object_name, Backend, BackendAddr, Family, PortKey, Proto, Rejection, LABEL_SERVICE_NAME};
+use super::{
+    object_name, AddressField, Backend, BackendAddr, Family, InvalidAddress, InvalidPort, PortKey, Proto, RejectReason, RejectedObject,
+    Rejection, LABEL_SERVICE_NAME,
+};
 use crate::ipparse::{parse_ip_sloppy, special_address};
 
 /// One endpoint of one Service port after merging all slices.
@@ -45,19 +48,19 @@ pub(super) fn merge_slices<'a>(
     let mut merged = MergedSlices { by_service: BTreeMap::new(), slice_names: BTreeMap::new() };
     for slice in slices {
         let (namespace, name) = object_name(&slice.metadata);
-        let object = format!("EndpointSlice {namespace}/{name}");
+        let object = RejectedObject::endpoint_slice(&namespace, &name);
         let family = match slice.address_type.as_str() {
             "IPv4" => Family::V4,
             "IPv6" => Family::V6,
             // kube-proxy ignores FQDN slices; they have no addresses to balance to.
             "FQDN" => continue,
             other => {
-                rejections.push(Rejection { object, reason: format!("unsupported addressType {other:?}") });
+                rejections.push(Rejection::new(object, RejectReason::UnsupportedAddressType { address_type: other.to_owned() }));
                 continue;
             }
         };
         let Some(service) = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
-            rejections.push(Rejection { object, reason: format!("no {LABEL_SERVICE_NAME} label") });
+            rejections.push(Rejection::new(object, RejectReason::MissingServiceLabel));
             continue;
         };
         let key = (namespace, service.clone());
@@ -67,7 +70,7 @@ pub(super) fn merge_slices<'a>(
             // A nil or zero port means "all ports" in the API; kube-proxy ignores it.
             let Some(number) = port.port.filter(|p| *p != 0) else { continue };
             let Ok(number) = u16::try_from(number) else {
-                rejections.push(Rejection { object: object.clone(), reason: format!("invalid port {number}") });
+                rejections.push(Rejection::new(object.clone(), RejectReason::InvalidPort(InvalidPort::Port { port: number })));
                 continue;
             };
             let Ok(proto) = Proto::from_k8s(port.protocol.as_deref()) else { continue };
@@ -78,18 +81,16 @@ pub(super) fn merge_slices<'a>(
                 let addr = match parse_ip_sloppy(text) {
                     Some(addr) if special_address(addr).is_some() => {
                         let class = special_address(addr).unwrap_or_default();
-                        rejections.push(Rejection {
-                            object: object.clone(),
-                            reason: format!("endpoint address {addr} is a {class} address, which the API server's validation refuses"),
-                        });
+                        let field = AddressField::Endpoint(family);
+                        let reason = RejectReason::InvalidAddress(InvalidAddress::Special { field, addr, class });
+                        rejections.push(Rejection::new(object.clone(), reason));
                         continue;
                     }
                     Some(addr) if Family::of(addr) == family => addr,
                     _ => {
-                        rejections.push(Rejection {
-                            object: object.clone(),
-                            reason: format!("invalid {} endpoint address {text:?}", family.name()),
-                        });
+                        let field = AddressField::Endpoint(family);
+                        let reason = RejectReason::InvalidAddress(InvalidAddress::Unparsable { field, text: text.clone() });
+                        rejections.push(Rejection::new(object.clone(), reason));
                         continue;
                     }
                 };

@@ -23,8 +23,9 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::endpoints::merge_slices;
 use super::{
-    nodeport_addresses, object_name, service_candidates, Candidate, ClusterState, DesiredState, Frontend, FrontendKind,
-    FrontendSpec, NodeConfig, Rejection, Scope, ServicePortName, ThisNode, LABEL_SERVICE_NAME, LABEL_ZONE,
+    nodeport_addresses, object_name, service_candidates, Candidate, ClusterState, Conflict, DesiredState, Frontend,
+    FrontendKind, FrontendSpec, NodeConfig, RejectReason, RejectedObject, Rejection, Scope, ServicePortName, ThisNode,
+    LABEL_SERVICE_NAME, LABEL_ZONE,
 };
 
 /// `(namespace, name)` of a Service. EndpointSlices belong to the key their
@@ -246,14 +247,17 @@ impl Incremental {
             let losers: Vec<Rejection> = claims
                 .iter()
                 .skip(1)
-                .map(|((_, (namespace, name), _), loser)| Rejection {
-                    object: format!("Service {namespace}/{name}"),
-                    reason: format!(
-                        "{} {frontend} of port {:?} is already used by Service {owner_name} as its {}",
-                        loser.kind.name(),
-                        loser.port_name,
-                        owner.kind.name()
-                    ),
+                .map(|((_, (namespace, name), _), loser)| {
+                    Rejection::new(
+                        RejectedObject::service(namespace, name),
+                        RejectReason::Conflict(Conflict::FrontendTaken {
+                            kind: loser.kind,
+                            frontend,
+                            port_name: loser.port_name.clone(),
+                            owner: owner_name.clone(),
+                            owner_kind: owner.kind,
+                        }),
+                    )
                 })
                 .collect();
             if losers.is_empty() {
@@ -293,17 +297,17 @@ fn service_output(key: &ServiceKey, objects: &ServiceObjects, node: &ThisNode<'_
     let mut candidates = Vec::new();
     if objects.services.is_empty() {
         for slice in merged.slice_names.get(key).into_iter().flatten() {
-            rejections.push(Rejection {
-                object: format!("EndpointSlice {}/{slice}", key.0),
-                reason: format!("its Service {}/{} does not exist", key.0, key.1),
-            });
+            rejections.push(Rejection::new(
+                RejectedObject::endpoint_slice(&key.0, slice),
+                RejectReason::MissingService { namespace: key.0.clone(), name: key.1.clone() },
+            ));
         }
     }
     for service in &objects.services {
         let mut problems = Vec::new();
         service_candidates(service, merged.by_service.get(key), node, &mut candidates, &mut problems);
-        let object = format!("Service {}/{}", key.0, key.1);
-        rejections.extend(problems.into_iter().map(|reason| Rejection { object: object.clone(), reason }));
+        let object = RejectedObject::service(&key.0, &key.1);
+        rejections.extend(problems.into_iter().map(|reason| Rejection::new(object.clone(), reason)));
     }
     (candidates, rejections)
 }

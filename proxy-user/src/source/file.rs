@@ -15,7 +15,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde::Deserialize;
 
 use crate::agent::error_chain;
-use crate::desired::{ClusterState, Rejection};
+use crate::desired::{ClusterState, Malformed, ObjectKind, RejectReason, RejectedObject, Rejection};
 use crate::source::{Snapshot, SourceHandle, SourceHealth};
 
 #[derive(Debug, thiserror::Error)]
@@ -120,12 +120,13 @@ pub fn parse_manifests(snapshot: &ManifestSnapshot) -> (ClusterState, Vec<Reject
     for (path, bytes) in snapshot {
         let text = String::from_utf8_lossy(bytes);
         for (index, document) in serde_yaml::Deserializer::from_str(&text).enumerate() {
-            let object = format!("{} document {}", path.display(), index + 1);
+            let object = RejectedObject::Document { path: path.clone(), document: index + 1, items: Vec::new(), kind: None };
             match serde_yaml::Value::deserialize(document) {
                 Ok(serde_yaml::Value::Null) => {}
                 Ok(value) => add_object(value, &object, &mut state, &mut rejections),
                 Err(error) => {
-                    rejections.push(Rejection { object, reason: format!("not valid YAML: {error}") });
+                    let reason = RejectReason::Malformed(Malformed::Yaml { detail: error.to_string() });
+                    rejections.push(Rejection::new(object, reason));
                     // The YAML stream cannot be resynchronised after a syntax error.
                     break;
                 }
@@ -135,35 +136,47 @@ pub fn parse_manifests(snapshot: &ManifestSnapshot) -> (ClusterState, Vec<Reject
     (state, rejections)
 }
 
-fn add_object(value: serde_yaml::Value, object: &str, state: &mut ClusterState, rejections: &mut Vec<Rejection>) {
+/// `object` is the document's place in the manifests (a `RejectedObject::Document` without a kind).
+fn add_object(value: serde_yaml::Value, object: &RejectedObject, state: &mut ClusterState, rejections: &mut Vec<Rejection>) {
     let meta: TypeMeta = match serde_yaml::from_value(value.clone()) {
         Ok(meta) => meta,
         Err(error) => {
-            rejections.push(Rejection { object: object.to_owned(), reason: format!("not a Kubernetes object: {error}") });
+            let reason = RejectReason::Malformed(Malformed::NotAnObject { detail: error.to_string() });
+            rejections.push(Rejection::new(object.clone(), reason));
             return;
         }
     };
-    let mut reject = |reason: String| rejections.push(Rejection { object: format!("{object} ({})", meta.kind), reason });
+    let mut reject = |kind: ObjectKind, error: serde_yaml::Error| {
+        let mut object = object.clone();
+        if let RejectedObject::Document { kind: declared, .. } = &mut object {
+            *declared = Some(kind);
+        }
+        rejections.push(Rejection::new(object, RejectReason::Malformed(Malformed::Fields { detail: error.to_string() })));
+    };
     match (meta.api_version.as_str(), meta.kind.as_str()) {
         ("v1", "List") => {
             let items = value.get("items").and_then(|i| i.as_sequence()).cloned().unwrap_or_default();
             for (i, item) in items.into_iter().enumerate() {
-                add_object(item, &format!("{object} item {}", i + 1), state, rejections);
+                let mut item_object = object.clone();
+                if let RejectedObject::Document { items, .. } = &mut item_object {
+                    items.push(i + 1);
+                }
+                add_object(item, &item_object, state, rejections);
             }
         }
         ("v1", "Service") => match serde_yaml::from_value::<Service>(value) {
             Ok(service) => state.services.push(service.into()),
-            Err(error) => reject(error.to_string()),
+            Err(error) => reject(ObjectKind::Service, error),
         },
         ("discovery.k8s.io/v1", "EndpointSlice") => match serde_yaml::from_value::<EndpointSlice>(value) {
             Ok(slice) => state.slices.push(slice.into()),
-            Err(error) => reject(error.to_string()),
+            Err(error) => reject(ObjectKind::EndpointSlice, error),
         },
         ("v1", "Node") => match serde_yaml::from_value::<Node>(value) {
             Ok(node) => state.node = Some(node.into()),
-            Err(error) => reject(error.to_string()),
+            Err(error) => reject(ObjectKind::Node, error),
         },
-        _ => tracing::debug!(object, kind = meta.kind, "ignoring object of another kind"),
+        _ => tracing::debug!(%object, kind = meta.kind, "ignoring object of another kind"),
     }
 }
 
@@ -200,6 +213,6 @@ metadata: {name: other}
         assert_eq!(state.services.len(), 1);
         assert_eq!(state.slices.len(), 1);
         assert_eq!(rejections.len(), 1, "{rejections:?}");
-        assert!(rejections[0].object.starts_with("m.yaml document 3 (Service)"), "{}", rejections[0]);
+        assert!(rejections[0].object.to_string().starts_with("m.yaml document 3 (Service)"), "{}", rejections[0]);
     }
 }
