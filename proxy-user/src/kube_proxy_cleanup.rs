@@ -158,11 +158,11 @@ fn clean_iptables(backend: &Backend, report: &mut Report) -> Result<(), CleanupE
     }
     output(&backend.restore, &["--noflush"], Some(&plan.restore))?;
     let tool = backend.save.file_name().map(|name| name.to_string_lossy().trim_end_matches("-save").to_owned()).unwrap_or_default();
-    for (table, chain) in plan.chains {
-        report.removed.push(format!("{tool} -t {table} chain {chain}"));
-    }
     for (table, rule) in plan.jumps {
         report.removed.push(format!("{tool} -t {table} rule {rule}"));
+    }
+    for (table, chain) in plan.chains {
+        report.removed.push(format!("{tool} -t {table} chain {chain}"));
     }
     Ok(())
 }
