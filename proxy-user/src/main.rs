@@ -8,6 +8,8 @@ mod healthcheck;
 mod http;
 mod ipparse;
 mod kernel;
+mod kube_proxy_cleanup;
+mod kube_proxy_config;
 mod lbmap;
 mod metrics;
 mod netif;
@@ -22,13 +24,25 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(name = "ebpf-proxy", version, about = "eBPF Service load balancing that replaces kube-proxy")]
+#[command(arg_required_else_help = true, args_conflicts_with_subcommands = true)]
 struct Cli {
+    /// kube-proxy's flag: the same as the `cleanup` command (`ebpf-proxy --cleanup
+    /// [--kube-proxy] [--bpffs DIR]`), for scripts and manifests written for kube-proxy.
+    #[arg(long)]
+    cleanup: bool,
+    /// With `--cleanup`: as `cleanup --bpffs`.
+    #[arg(long = "bpffs", value_name = "BPFFS", requires = "cleanup", default_value = DEFAULT_BPFFS)]
+    cleanup_bpffs: PathBuf,
+    /// With `--cleanup`: as `cleanup --kube-proxy`.
+    #[arg(long = "kube-proxy", requires = "cleanup")]
+    cleanup_kube_proxy: bool,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
@@ -44,16 +58,32 @@ enum Command {
         json: bool,
     },
     /// Detach and unpin everything the agent created. Service traffic stops being translated.
-    Cleanup {
-        #[arg(long, default_value = DEFAULT_BPFFS)]
-        bpffs: PathBuf,
-    },
+    /// With `--kube-proxy`, also remove what kube-proxy left behind (as `kube-proxy --cleanup`).
+    Cleanup(CleanupArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+struct CleanupArgs {
+    #[arg(long, default_value = DEFAULT_BPFFS)]
+    bpffs: PathBuf,
+    /// Also remove kube-proxy's rules: its iptables chains (`KUBE-*`, both iptables backends,
+    /// IPv4 and IPv6) and the jumps to them, its nftables tables (`ip`/`ip6 kube-proxy`), and
+    /// its IPVS state (the Services bound to `kube-ipvs0`, that device, its `KUBE-*` ipsets).
+    /// Other rules are left as they are.
+    #[arg(long)]
+    kube_proxy: bool,
 }
 
 const DEFAULT_BPFFS: &str = "/sys/fs/bpf/ebpf-proxy";
 
 #[derive(Args, Clone, Debug)]
 pub struct AgentArgs {
+    /// kube-proxy's configuration file (a `KubeProxyConfiguration`, kubeproxy.config.k8s.io/v1alpha1,
+    /// such as `config.conf` of kube-proxy's ConfigMap): hostnameOverride, bindAddress,
+    /// healthzBindAddress, metricsBindAddress, nodePortAddresses and clientConnection.kubeconfig
+    /// are used; flags given on the command line override them, as in kube-proxy.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Where Services and EndpointSlices come from: `kube` (the Kubernetes API) or `file:PATH`
     /// (a manifest file or a directory of them).
     #[arg(long, default_value = "kube", value_parser = parse_source)]
@@ -207,9 +237,17 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
-    match cli.command {
-        Command::Agent(mut args) => {
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|error| error.exit());
+    let command = match cli.command {
+        Some(command) => command,
+        // Only `--cleanup` parses without a command (every other top-level flag requires it).
+        None => Command::Cleanup(CleanupArgs { bpffs: cli.cleanup_bpffs, kube_proxy: cli.cleanup_kube_proxy }),
+    };
+    match command {
+        Command::Agent(args) => {
+            let agent_matches = matches.subcommand_matches("agent").context("agent arguments")?;
+            let mut args = with_config_file(args, agent_matches)?;
             if args.cgroup.is_none() {
                 args.cgroup = Some(cgroup2_root()?);
             }
@@ -228,15 +266,65 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Cleanup { bpffs } => {
+        Command::Cleanup(CleanupArgs { bpffs, kube_proxy }) => {
             let removed = kernel::cleanup(&bpffs).with_context(|| format!("cleaning up {}", bpffs.display()))?;
             for path in &removed {
                 println!("removed {}", path.display());
             }
             println!("{} pinned objects removed; Service translation is off (socket and packet level)", removed.len());
+            if kube_proxy {
+                let report = kube_proxy_cleanup::run().context("removing kube-proxy's rules")?;
+                for line in report.lines() {
+                    println!("{line}");
+                }
+            }
             Ok(())
         }
     }
+}
+
+/// The agent's effective arguments for a command line, as `main` computes them.
+#[cfg(test)]
+pub(crate) fn agent_args(argv: &[&str]) -> anyhow::Result<AgentArgs> {
+    let matches = Cli::command().try_get_matches_from(argv)?;
+    let agent_matches = matches.subcommand_matches("agent").context("not an agent command line")?;
+    let args = AgentArgs::from_arg_matches(agent_matches)?;
+    with_config_file(args, agent_matches)
+}
+
+/// `args` with the settings of `--config` filled in where no flag was given on the command line
+/// (kube-proxy: "flags override the config file"; a default or `$NODE_NAME` does not).
+fn with_config_file(mut args: AgentArgs, matches: &ArgMatches) -> anyhow::Result<AgentArgs> {
+    let Some(path) = args.config.clone() else {
+        return Ok(args);
+    };
+    let file = kube_proxy_config::load(&path)?;
+    let from_flag = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+    if let (Some(name), false) = (file.node_name, from_flag("node_name")) {
+        args.node_name = name;
+    }
+    if let (Some(kubeconfig), false) = (file.kubeconfig, from_flag("kubeconfig")) {
+        args.kubeconfig = Some(kubeconfig);
+    }
+    if let (Some(addr), false) = (file.healthz_bind, from_flag("healthz_bind")) {
+        args.healthz_bind = addr;
+    }
+    if let (Some(addr), false) = (file.metrics_bind, from_flag("metrics_bind")) {
+        args.metrics_bind = addr;
+    }
+    if let (Some(addresses), false) = (file.nodeport_addresses, from_flag("nodeport_addresses")) {
+        args.nodeport_addresses = addresses;
+    }
+    if !file.ignored.is_empty() {
+        tracing::warn!(
+            config = %path.display(),
+            fields = %file.ignored.join(", "),
+            "these settings of the config file have no effect on ebpf-proxy: they configure kube-proxy's \
+             iptables, IPVS, nftables or winkernel mode or its own process (pod traffic is recognised \
+             by its cgroup, not by clusterCIDR; the node's primary IPs come from its Node object)"
+        );
+    }
+    Ok(args)
 }
 
 #[cfg(test)]
