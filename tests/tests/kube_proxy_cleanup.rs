@@ -3,7 +3,7 @@
 //! peers`) programmed in its iptables mode and in its nftables mode, and leaves every other rule
 //! of the namespace exactly as it was.
 //!
-//! Each test has a node namespace of its own (a dummy interface holding the node address and the
+//! Each test has a node namespace of its own (a veth holding the node address and the
 //! default route), where kube-proxy runs against the real kube-apiserver until its rules for
 //! three Services (with endpoints, NodePort, without endpoints) are in place; it is then killed,
 //! as when its DaemonSet is deleted, which leaves its rules behind.
@@ -67,7 +67,8 @@ fn switching_from_kube_proxy(mode: Mode, cleanup: &[&str]) {
     let id = e2e::unique_id();
     let node = Netns::create(&format!("{}-{id}-kp", e2e::PREFIX)).expect("node namespace");
     for argv in [
-        &["ip", "link", "add", "eth0", "type", "dummy"][..],
+        // A veth, not a dummy: the dummy module is not loaded on every machine (CI's is not).
+        &["ip", "link", "add", "eth0", "type", "veth", "peer", "name", "eth0-peer"][..],
         &["ip", "addr", "add", &format!("{NODE_IP}/24"), "dev", "eth0"],
         &["ip", "link", "set", "eth0", "up"],
         &["ip", "route", "add", "default", "dev", "eth0"],
