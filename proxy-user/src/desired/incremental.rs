@@ -154,14 +154,15 @@ impl Incremental {
         // What an abandoned incremental pass already changed counts as touched too.
         let mut touched = BTreeSet::new();
         if let Some(changed) = incremental {
-            match self.apply(changed, &mut touched) {
+            match self.apply(changed, &node, &mut touched) {
                 Settled::Done => return touched,
                 Settled::StartOver => {}
             }
         }
         // Everything: a fresh computation, and the difference to the previous state.
-        let mut fresh = Incremental { node: Some(node), ..Default::default() };
-        let settled = fresh.apply(&group(cluster), &mut BTreeSet::new());
+        let mut fresh = Incremental::default();
+        let settled = fresh.apply(&group(cluster), &node, &mut BTreeSet::new());
+        fresh.node = Some(node);
         debug_assert!(matches!(settled, Settled::Done), "a computation from scratch never needs another");
         let old = std::mem::replace(self, fresh);
         touched.extend(old
@@ -178,8 +179,12 @@ impl Incremental {
     /// Recomputes `changed` and re-settles what they claim, adding the frontends whose entries
     /// may have changed to `touched`. Starts over when a frontend would go to a Service that is
     /// not in `changed` and does not hold it yet (its candidate is not at hand).
-    fn apply(&mut self, changed: &BTreeMap<ServiceKey, ServiceObjects>, touched: &mut BTreeSet<Frontend>) -> Settled {
-        let node = self.node.clone().unwrap_or_else(|| NodeInputs::of(&ClusterState::default(), &NodeConfig::default()));
+    fn apply(
+        &mut self,
+        changed: &BTreeMap<ServiceKey, ServiceObjects>,
+        node: &NodeInputs,
+        touched: &mut BTreeSet<Frontend>,
+    ) -> Settled {
         let node = node.view();
         let mut affected: BTreeSet<Frontend> = BTreeSet::new();
         let mut fresh: BTreeMap<(&ServiceKey, u32), Candidate> = BTreeMap::new();
