@@ -384,16 +384,22 @@ fn purge_stale_flows(bpffs: &std::path::Path, job: &Arc<BackgroundJob>) {
 }
 
 /// Tells the kernel programs which SNAT ports they may use: `--snat-port-range` without the
-/// node's ephemeral range.
+/// node's ephemeral range and the NodePort range.
 fn configure_snat_ports(args: &AgentArgs) -> anyhow::Result<()> {
-    let ephemeral = crate::snat_ports::ephemeral_range().context("reading net.ipv4.ip_local_port_range")?;
-    let (config, ports) = crate::snat_ports::datapath_config(args.snat_port_range, ephemeral).map_err(anyhow::Error::msg)?;
+    use crate::snat_ports::{datapath_config, ephemeral_range, Excluded};
+    let ephemeral = ephemeral_range().context("reading net.ipv4.ip_local_port_range")?;
+    let excluded = [
+        Excluded { ports: ephemeral, what: "the node's ephemeral range (net.ipv4.ip_local_port_range)" },
+        Excluded { ports: args.service_node_port_range, what: "the NodePort range (--service-node-port-range)" },
+    ];
+    let (config, ports) = datapath_config(args.snat_port_range, &excluded).map_err(anyhow::Error::msg)?;
     kernel::write_config(&args.bpffs, &config).context("writing the datapath settings")?;
     tracing::info!(
         range = %args.snat_port_range,
         ephemeral = %ephemeral,
+        node_ports = %args.service_node_port_range,
         ports,
-        "SNAT source ports: the range without the node's ephemeral ports"
+        "SNAT source ports: the range without the node's ephemeral ports and the NodePort range"
     );
     Ok(())
 }

@@ -27,7 +27,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::ipparse::{parse_ip_sloppy, special_address, Cidr};
 use endpoints::{categorize, Categorized, NodeView, ServiceEndpoints};
-pub use incremental::{group, service_key, slice_service_key, Changes, Incremental, ServiceKey, ServiceObjects};
+#[cfg(test)]
+pub use incremental::group;
+pub use incremental::{service_key, slice_service_key, Changes, Incremental, ServiceKey, ServiceObjects};
 pub use rejection::{
     AddressField, Conflict, FamilyMissingOn, InvalidAddress, InvalidPort, Malformed, ObjectKind, RejectReason, RejectedObject,
     Rejection,
@@ -333,7 +335,9 @@ impl Candidate {
 }
 
 /// Computes what the datapath should hold. Pure: same input, same output. The agent keeps an
-/// [`Incremental`] instead and feeds it only what changed; this is the same code fed everything.
+/// [`Incremental`] instead and feeds it only what changed; this is the same code fed everything
+/// (the tests' reference).
+#[cfg(test)]
 pub fn compute(cluster: &ClusterState, config: &NodeConfig) -> DesiredState {
     let mut state = Incremental::default();
     state.update(cluster, config, &Changes::All);

@@ -101,6 +101,9 @@ pub struct DumpedFlow {
     /// TCP: the client's next sequence number as conntrack last saw it (0 before it knows);
     /// a RST from the client counts only near it.
     pub client_seq_next: u32,
+    /// `ip:port` the flow leaves the node from when it is SNATed (backend on another node).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snat: Option<String>,
 }
 
 /// What `dump` shows of one conntrack entry of either family.
@@ -113,6 +116,7 @@ struct FlowView {
     backend_id: u32,
     rev_nat_id: u16,
     state: proxy_abi::CtState,
+    snat: Option<String>,
 }
 
 fn flows6(entries: Vec<(proxy_abi::CtKey6, proxy_abi::CtEntry6)>) -> Vec<FlowView> {
@@ -128,6 +132,7 @@ fn flows6(entries: Vec<(proxy_abi::CtKey6, proxy_abi::CtEntry6)>) -> Vec<FlowVie
             backend_id: entry.backend_id,
             rev_nat_id: entry.rev_nat_id,
             state: entry.state,
+            snat: (entry.nat & proxy_abi::ct::NAT_SNAT != 0).then(|| addr(entry.snat_addr, entry.snat_port_be)),
         })
         .collect()
 }
@@ -146,6 +151,7 @@ fn flows4(entries: Vec<(proxy_abi::CtKey4, proxy_abi::CtEntry4)>) -> Vec<FlowVie
             backend_id: entry.backend_id,
             rev_nat_id: entry.rev_nat_id,
             state: entry.state,
+            snat: (entry.nat & proxy_abi::ct::NAT_SNAT != 0).then(|| addr(entry.snat_addr_be, entry.snat_port_be)),
         })
         .collect()
 }
@@ -179,6 +185,7 @@ fn flows(entries: Vec<FlowView>) -> Vec<DumpedFlow> {
             idle_seconds: now_ns.saturating_sub(view.state.last_seen_ns) / 1_000_000_000,
             expired: ct::is_expired(&view.state, view.proto, now_ns),
             client_seq_next: view.state.seq_next,
+            snat: view.snat,
         })
         .collect();
     flows.sort_by(|a, b| (&a.frontend, &a.client).cmp(&(&b.frontend, &b.client)));

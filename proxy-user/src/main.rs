@@ -169,11 +169,16 @@ pub struct AgentArgs {
     /// Source ports for SNAT (traffic from outside to a backend on another node), per node
     /// address, backend and protocol. The node's own ephemeral range
     /// (`net.ipv4.ip_local_port_range`) is left out, so no SNATed flow takes the tuple of one
-    /// of the node's connections: 36,280 ports with the kernel's default 32768-60999. A port is
-    /// free again once its flow has ended (10 s after a close, 65 s when the backend closed first
-    /// and holds the tuple in TIME_WAIT) or timed out.
+    /// of the node's connections, and so is `--service-node-port-range`: 33,512 ports with the
+    /// defaults. A port is free again once its flow has ended (10 s after a close, 65 s when
+    /// the backend closed first and holds the tuple in TIME_WAIT) or timed out.
     #[arg(long, default_value = "1024-65535", value_parser = snat_ports::PortRange::parse)]
     pub snat_port_range: snat_ports::PortRange,
+    /// The cluster's NodePort range: the kube-apiserver's flag of the same name (its default
+    /// here too). No SNAT port is taken from it: a backend's reply to node address:NodePort
+    /// can be taken for a new connection to that NodePort on the backend's node.
+    #[arg(long, default_value = "30000-32767", value_parser = snat_ports::PortRange::parse)]
+    pub service_node_port_range: snat_ports::PortRange,
     /// How often conntrack entries past their timeout are deleted (the kernel already ignores
     /// them; this keeps the LRU and `dump` to live flows).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]

@@ -386,13 +386,16 @@ pub mod ct {
 
     /// The default SNAT source ports: 1024-65535 without the node's ephemeral range (the
     /// agent skips the `net.ipv4.ip_local_port_range` it reads, by default 32768-60999), so that
-    /// no SNATed flow takes the tuple of one of the node's own connections. 36,280 ports per
-    /// (node address, backend, protocol) with the kernel's default range.
+    /// no SNATed flow takes the tuple of one of the node's own connections, and without the
+    /// NodePort range (`--service-node-port-range`, by default 30000-32767), so that no reply
+    /// is addressed to a node address and a NodePort: a socket load balancer or kube-proxy on
+    /// the backend's node may take it for a new connection to that NodePort and never send it
+    /// back. 33,512 ports per (node address, backend, protocol) with the kernel's defaults.
     pub const SNAT_PORT_MIN: u16 = 1_024;
     pub const SNAT_PORT_MAX: u16 = 65_535;
-    /// What the kernel skips when the agent wrote no `DatapathConfig`: Linux's default
-    /// ephemeral range.
-    pub const SNAT_SKIP_MIN: u16 = 32_768;
+    /// What the kernel skips when the agent wrote no `DatapathConfig`: the default NodePort
+    /// range and Linux's default ephemeral range, which meet.
+    pub const SNAT_SKIP_MIN: u16 = 30_000;
     pub const SNAT_SKIP_MAX: u16 = 60_999;
 
     /// `CtState::tcp_seen` bits: what the flow has shown so far (drives the timeout).
@@ -513,38 +516,56 @@ const _: () = assert!(size_of::<FragValue6>() == 48);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct DatapathConfig {
-    /// SNAT source ports: `snat_port_min..=snat_port_max` without `snat_skip_min..=snat_skip_max`
-    /// (an empty skip when `snat_skip_max < snat_skip_min`).
+    /// SNAT source ports: `snat_port_min..=snat_port_max` without the ports of two skips,
+    /// `snat_skip_min..=snat_skip_max` and `snat_skip2_min..=snat_skip2_max`. A skip is empty
+    /// when its max is below its min or its min is 0 (so the reserved space of an older agent's
+    /// layout reads as no second skip); non-empty skips lie inside the range, the first below
+    /// the second.
     pub snat_port_min: u16,
     pub snat_port_max: u16,
     pub snat_skip_min: u16,
     pub snat_skip_max: u16,
-    pub reserved: [u32; 14],
+    pub snat_skip2_min: u16,
+    pub snat_skip2_max: u16,
+    pub reserved: [u32; 13],
 }
 const _: () = assert!(size_of::<DatapathConfig>() == 64);
 
+/// How many ports an inclusive skip `(min, max)` holds: 0 when it is empty.
+const fn skip_len(skip: (u16, u16)) -> u32 {
+    if skip.0 == 0 || skip.1 < skip.0 { 0 } else { skip.1 as u32 - skip.0 as u32 + 1 }
+}
+
 impl DatapathConfig {
-    /// The SNAT port range with the ABI defaults for what is unset; `(min, max, skip_min,
-    /// skip_max)` with `skip` inside `min..=max` or empty (`skip_min > skip_max`).
-    pub const fn snat_range(&self) -> (u16, u16, u16, u16) {
+    /// The SNAT port range with the ABI defaults for what is unset: `(min, max, [skip; 2])`.
+    pub const fn snat_range(&self) -> (u16, u16, [(u16, u16); 2]) {
         if self.snat_port_max == 0 {
-            return (ct::SNAT_PORT_MIN, ct::SNAT_PORT_MAX, ct::SNAT_SKIP_MIN, ct::SNAT_SKIP_MAX);
+            return (ct::SNAT_PORT_MIN, ct::SNAT_PORT_MAX, [(ct::SNAT_SKIP_MIN, ct::SNAT_SKIP_MAX), (0, 0)]);
         }
-        (self.snat_port_min, self.snat_port_max, self.snat_skip_min, self.snat_skip_max)
+        (
+            self.snat_port_min,
+            self.snat_port_max,
+            [(self.snat_skip_min, self.snat_skip_max), (self.snat_skip2_min, self.snat_skip2_max)],
+        )
     }
 
     /// How many ports the SNAT range holds.
     pub const fn snat_port_count(&self) -> u32 {
-        let (min, max, skip_min, skip_max) = self.snat_range();
-        let all = max as u32 - min as u32 + 1;
-        if skip_max >= skip_min { all - (skip_max as u32 - skip_min as u32 + 1) } else { all }
+        let (min, max, skips) = self.snat_range();
+        (max as u32 - min as u32 + 1) - skip_len(skips[0]) - skip_len(skips[1])
     }
 
-    /// The `index`-th port of the range (`index < snat_port_count()`), skipping the hole.
+    /// The `index`-th port of the range (`index < snat_port_count()`), skipping the holes.
     pub const fn snat_port(&self, index: u32) -> u16 {
-        let (min, _, skip_min, skip_max) = self.snat_range();
-        let port = min as u32 + index;
-        if skip_max >= skip_min && port >= skip_min as u32 { (port + (skip_max as u32 - skip_min as u32 + 1)) as u16 } else { port as u16 }
+        let (min, _, skips) = self.snat_range();
+        let mut port = min as u32 + index;
+        if skip_len(skips[0]) > 0 && port >= skips[0].0 as u32 {
+            port += skip_len(skips[0]);
+        }
+        if skip_len(skips[1]) > 0 && port >= skips[1].0 as u32 {
+            port += skip_len(skips[1]);
+        }
+        port as u16
     }
 }
 

@@ -138,6 +138,7 @@ impl Incremental {
         &self.state
     }
 
+    #[cfg(test)]
     pub fn into_state(self) -> DesiredState {
         self.state
     }
