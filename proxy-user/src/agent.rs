@@ -163,6 +163,8 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     // everything the maps hold (adopted or restored), later ones only what changed.
     let mut desired_state = desired::Incremental::default();
     let mut first_pass = true;
+    // NodePorts seen outside --service-node-port-range (each warned about once).
+    let mut stray_node_ports: BTreeSet<u16> = BTreeSet::new();
     tracing::info!("waiting for a complete view from the source before changing anything");
 
     loop {
@@ -208,6 +210,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         }
         let changed = desired_state.update(&snapshot.cluster, &config, &snapshot.changes);
         let desired = desired_state.state();
+        warn_of_stray_node_ports(desired, &changed, args.service_node_port_range, &mut stray_node_ports);
         let rejections: Vec<_> = snapshot.rejections.iter().chain(&desired.rejections).collect();
         let report = if first_pass { reconciler.reconcile(desired) } else { reconciler.reconcile_changed(desired, &changed) };
         first_pass = false;
@@ -381,6 +384,28 @@ fn purge_stale_flows(bpffs: &std::path::Path, job: &Arc<BackgroundJob>) {
         Ok(_) => {}
         Err(error) => tracing::warn!("cannot purge flows of removed backends: {}", error_chain(&error)),
     });
+}
+
+/// Warns (once per port) of a NodePort outside `--service-node-port-range`: the SNAT ports
+/// are drawn from outside that range only, so it must be the kube-apiserver's.
+fn warn_of_stray_node_ports(
+    desired: &desired::DesiredState,
+    changed: &BTreeSet<desired::Frontend>,
+    range: crate::snat_ports::PortRange,
+    warned: &mut BTreeSet<u16>,
+) {
+    for frontend in changed {
+        let Some(spec) = desired.frontends.get(frontend) else { continue };
+        let port = frontend.port;
+        if spec.kind == desired::FrontendKind::NodePort && !(range.min..=range.max).contains(&port) && warned.insert(port) {
+            tracing::warn!(
+                service = %spec.service,
+                "nodePort {port} lies outside --service-node-port-range {range}: set that flag to the \
+                 kube-apiserver's --service-node-port-range, or SNATed flows may leave from this port \
+                 and their answers be taken for connections to the NodePort"
+            );
+        }
+    }
 }
 
 /// Tells the kernel programs which SNAT ports they may use: `--snat-port-range` without the
