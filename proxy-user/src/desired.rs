@@ -13,6 +13,7 @@
 mod endpoints;
 mod incremental;
 mod rejection;
+mod slice;
 #[cfg(test)]
 mod tests;
 
@@ -22,7 +23,6 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde::{Deserialize, Serialize};
 
 use crate::ipparse::{parse_ip_sloppy, special_address, Cidr};
@@ -30,6 +30,7 @@ use endpoints::{categorize, Categorized, NodeView, ServiceEndpoints};
 #[cfg(test)]
 pub use incremental::group;
 pub use incremental::{service_key, slice_service_key, Changes, Incremental, ServiceKey, ServiceObjects};
+pub use slice::Slice;
 pub use rejection::{
     AddressField, Conflict, FamilyMissingOn, InvalidAddress, InvalidPort, Malformed, ObjectKind, RejectReason, RejectedObject,
     Rejection,
@@ -304,7 +305,7 @@ pub struct NodeConfig {
 #[derive(Clone, Debug, Default)]
 pub struct ClusterState {
     pub services: Vec<Arc<Service>>,
-    pub slices: Vec<Arc<EndpointSlice>>,
+    pub slices: Vec<Arc<Slice>>,
     pub node: Option<Arc<Node>>,
 }
 

@@ -101,7 +101,7 @@ pub fn health_checks(cluster: &ClusterState, node_name: &str) -> BTreeMap<Servic
         for endpoint in &slice.endpoints {
             let ready = endpoint.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);
             let on_this_node = endpoint.node_name.as_deref() == Some(node_name);
-            if let (true, true, Some(address)) = (ready, on_this_node, endpoint.addresses.first()) {
+            if let (true, true, Some(address)) = (ready, on_this_node, endpoint.address.as_ref()) {
                 local.entry(name.clone()).or_default().insert(address);
             }
         }

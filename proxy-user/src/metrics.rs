@@ -12,7 +12,6 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
 use prometheus_client::collector::Collector;
@@ -24,7 +23,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, linear_buckets,
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Metric, Registry};
 
-use crate::desired::{ClusterState, Rejection, ServicePortName};
+use crate::desired::{ClusterState, Rejection, ServicePortName, Slice};
 use crate::kernel::DatapathError;
 use crate::source::SourceHealth;
 
@@ -343,8 +342,8 @@ pub fn change_times(
     let key = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
         (meta.namespace.clone().unwrap_or_default(), meta.name.clone().unwrap_or_default())
     };
-    let before: BTreeMap<_, &EndpointSlice> = previous.slices.iter().map(|s| (key(&s.metadata), &**s)).collect();
-    let after: BTreeMap<_, &EndpointSlice> = current.slices.iter().map(|s| (key(&s.metadata), &**s)).collect();
+    let before: BTreeMap<_, &Slice> = previous.slices.iter().map(|s| (key(&s.metadata), &**s)).collect();
+    let after: BTreeMap<_, &Slice> = current.slices.iter().map(|s| (key(&s.metadata), &**s)).collect();
 
     let mut times = Vec::new();
     let mut without_time = before.keys().any(|k| !after.contains_key(k));
@@ -381,7 +380,7 @@ pub fn recorded_change_times(recorded: &[SystemTime], received: SystemTime, agen
     times
 }
 
-pub fn trigger_time(slice: &EndpointSlice) -> Option<SystemTime> {
+pub fn trigger_time(slice: &Slice) -> Option<SystemTime> {
     let text = slice.metadata.annotations.as_ref()?.get(ANNOTATION_LAST_CHANGE_TRIGGER_TIME)?;
     let timestamp: Timestamp = text.parse().ok()?;
     Some(SystemTime::from(timestamp))
@@ -594,12 +593,13 @@ mod tests {
         assert_eq!(programmed_services(&frontends, ["Service demo/web:dns (10.96.0.10:53/UDP)", "removed frontend 10.96.0.9:80/TCP"]), 1);
     }
 
-    fn slice(name: &str, ip: &str, trigger: Option<&str>) -> EndpointSlice {
+    fn slice(name: &str, ip: &str, trigger: Option<&str>) -> Slice {
         let annotations = trigger.map(|t| format!("annotations: {{{ANNOTATION_LAST_CHANGE_TRIGGER_TIME}: \"{t}\"}}")).unwrap_or_default();
-        serde_yaml::from_str(&format!(
+        serde_yaml::from_str::<k8s_openapi::api::discovery::v1::EndpointSlice>(&format!(
             "metadata: {{name: {name}, namespace: demo, {annotations}}}\naddressType: IPv4\nendpoints: [{{addresses: [{ip}]}}]"
         ))
         .expect("slice")
+        .into()
     }
 
     #[test]

@@ -8,11 +8,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-
 use super::{
     object_name, AddressField, Backend, BackendAddr, Family, InvalidAddress, InvalidPort, PortKey, Proto, RejectReason, RejectedObject,
-    Rejection, LABEL_SERVICE_NAME,
+    Rejection, Slice, LABEL_SERVICE_NAME,
 };
 use crate::ipparse::{parse_ip_sloppy, special_address};
 
@@ -42,7 +40,7 @@ pub(super) struct MergedSlices {
 /// Merges `slices`, in the order given (the caller sorts them by name, so which copy of a
 /// duplicate endpoint is kept does not depend on list order).
 pub(super) fn merge_slices<'a>(
-    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    slices: impl IntoIterator<Item = &'a Slice>,
     rejections: &mut Vec<Rejection>,
 ) -> MergedSlices {
     let mut merged = MergedSlices { by_service: BTreeMap::new(), slice_names: BTreeMap::new() };
@@ -77,7 +75,7 @@ pub(super) fn merge_slices<'a>(
             let endpoints = per_port.entry((port.name.clone().unwrap_or_default(), proto)).or_default();
             for endpoint in &slice.endpoints {
                 // kube-proxy uses the first address of an endpoint.
-                let Some(text) = endpoint.addresses.first() else { continue };
+                let Some(text) = endpoint.address.as_ref() else { continue };
                 let addr = match parse_ip_sloppy(text) {
                     Some(addr) if special_address(addr).is_some() => {
                         let class = special_address(addr).unwrap_or_default();
@@ -96,7 +94,7 @@ pub(super) fn merge_slices<'a>(
                 };
                 let conditions = endpoint.conditions.as_ref();
                 let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
-                let hints = endpoint.hints.as_ref();
+                let hints = endpoint.hints.as_deref();
                 let candidate = Endpoint {
                     addr,
                     port: number,

@@ -452,7 +452,7 @@ fn incremental_sync_matches_a_full_computation_over_random_changes() {
         }
         serde_json::from_value(serde_json::json!({"metadata": {"name": format!("s{i}"), "namespace": "ns"}, "spec": spec})).unwrap()
     }
-    fn slice(rng: &mut Rng, i: u64, of: u64) -> EndpointSlice {
+    fn slice(rng: &mut Rng, i: u64, of: u64) -> desired::Slice {
         let endpoints: Vec<_> = (0..rng.below(4))
             .map(|_| serde_json::json!({
                 "addresses": [format!("10.244.1.{}", 1 + rng.below(5))],
@@ -466,13 +466,14 @@ fn incremental_sync_matches_a_full_computation_over_random_changes() {
             "ports": [{"name": "p", "port": 8080 + rng.below(2), "protocol": (["TCP", "UDP"][rng.below(2) as usize])}],
             "endpoints": endpoints,
         }))
+        .map(|slice: EndpointSlice| slice.into())
         .unwrap()
     }
 
     for seed in 1..=12u64 {
         let mut rng = Rng(seed * 0x9e37_79b9_7f4a_7c15);
         let mut services: BTreeMap<u64, Arc<Service>> = BTreeMap::new();
-        let mut slices: BTreeMap<u64, Arc<EndpointSlice>> = BTreeMap::new();
+        let mut slices: BTreeMap<u64, Arc<desired::Slice>> = BTreeMap::new();
         let mut config = NodeConfig { node_name: "node-1".into(), interface_addresses: vec!["192.168.0.10".parse().unwrap()], ..Default::default() };
         let mut state = Incremental::default();
         let mut reconciler = Reconciler::adopt(FakeMaps::default()).unwrap();

@@ -169,7 +169,7 @@ fn add_object(value: serde_yaml::Value, object: &RejectedObject, state: &mut Clu
             Err(error) => reject(ObjectKind::Service, error),
         },
         ("discovery.k8s.io/v1", "EndpointSlice") => match serde_yaml::from_value::<EndpointSlice>(value) {
-            Ok(slice) => state.slices.push(slice.into()),
+            Ok(slice) => state.slices.push(std::sync::Arc::new(slice.into())),
             Err(error) => reject(ObjectKind::EndpointSlice, error),
         },
         ("v1", "Node") => match serde_yaml::from_value::<Node>(value) {

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::stream::BoxStream;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::{watcher, WatchStreamExt};
@@ -28,7 +28,7 @@ use kube::{Api, Client, Config, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 use crate::agent::error_chain;
-use crate::desired::{self, Changes, ClusterState, ServiceKey, ServiceObjects};
+use crate::desired::{self, Changes, ClusterState, ServiceKey, ServiceObjects, Slice};
 use crate::source::{Snapshot, SourceHandle, SourceHealth};
 
 /// Server-side timeout of each watch call. kube-runtime treats a watch that stays silent for this
@@ -85,7 +85,39 @@ struct KindStore<K> {
     all_dirty: bool,
 }
 
-impl<K: Resource + Clone + PartialEq> KindStore<K> {
+/// An object as a store keeps it (an EndpointSlice as a [`Slice`], the others as they come).
+trait Stored: Clone + PartialEq + Send + 'static {
+    fn object_key(&self) -> ObjectKey;
+
+    /// When the change this object carries was made, if it says.
+    fn change_time(&self) -> Option<std::time::SystemTime> {
+        None
+    }
+}
+
+impl Stored for Service {
+    fn object_key(&self) -> ObjectKey {
+        (self.namespace().unwrap_or_default(), self.name_any())
+    }
+}
+
+impl Stored for Node {
+    fn object_key(&self) -> ObjectKey {
+        (self.namespace().unwrap_or_default(), self.name_any())
+    }
+}
+
+impl Stored for Slice {
+    fn object_key(&self) -> ObjectKey {
+        (self.metadata.namespace.clone().unwrap_or_default(), self.metadata.name.clone().unwrap_or_default())
+    }
+
+    fn change_time(&self) -> Option<std::time::SystemTime> {
+        crate::metrics::trigger_time(self)
+    }
+}
+
+impl<K: Stored> KindStore<K> {
     fn new(kind: &'static str, service_of: Option<fn(&K) -> ServiceKey>) -> Self {
         Self {
             kind,
@@ -123,7 +155,7 @@ impl<K: Resource + Clone + PartialEq> KindStore<K> {
 
     /// Folds in one watcher event; returns whether the visible objects changed.
     fn apply(&mut self, event: watcher::Event<K>) -> bool {
-        let key = |o: &K| (o.namespace().unwrap_or_default(), o.name_any());
+        let key = K::object_key;
         match event {
             watcher::Event::Apply(object) => {
                 self.failing = false;
@@ -185,13 +217,22 @@ impl<K: Resource + Clone + PartialEq> KindStore<K> {
     }
 }
 
-fn watch<K>(api: Api<K>, config: watcher::Config) -> BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>
+/// The events of one kind, each object trimmed and converted to what the store keeps.
+fn watch<K, V>(api: Api<K>, config: watcher::Config) -> BoxStream<'static, Result<watcher::Event<V>, watcher::Error>>
 where
-    K: Trim + Clone + DeserializeOwned + Debug + Send + 'static,
+    K: Trim + Clone + DeserializeOwned + Debug + Send + Into<V> + 'static,
+    V: Stored,
 {
     watcher(api, config.timeout(WATCH_TIMEOUT_SECS))
         .default_backoff()
         .modify(Trim::trim)
+        .map_ok(|event| match event {
+            watcher::Event::Apply(object) => watcher::Event::Apply(object.into()),
+            watcher::Event::Delete(object) => watcher::Event::Delete(object.into()),
+            watcher::Event::Init => watcher::Event::Init,
+            watcher::Event::InitApply(object) => watcher::Event::InitApply(object.into()),
+            watcher::Event::InitDone => watcher::Event::InitDone,
+        })
         .boxed()
 }
 
@@ -216,20 +257,11 @@ trait Trim: Resource {
     }
 
     fn trim_kind(&mut self) {}
-
-    /// When the change this object carries was made, if it says.
-    fn change_time(&self) -> Option<std::time::SystemTime> {
-        None
-    }
 }
 
 impl Trim for Service {}
 
 impl Trim for EndpointSlice {
-    fn change_time(&self) -> Option<std::time::SystemTime> {
-        crate::metrics::trigger_time(self)
-    }
-
     fn trim_kind(&mut self) {
         for endpoint in &mut self.endpoints {
             // The Pod behind each endpoint (kind, name, namespace, uid, resourceVersion).
@@ -257,7 +289,7 @@ impl Trim for Node {
 
 struct Stores {
     services: KindStore<Service>,
-    slices: KindStore<EndpointSlice>,
+    slices: KindStore<Slice>,
     nodes: KindStore<Node>,
     /// When the oldest change not read by the agent yet arrived.
     unread_change: Option<Instant>,
@@ -301,7 +333,7 @@ impl Stores {
 
 /// Folds one event (or error) of a kind into its store; returns when the change was made if
 /// the view changed (an EndpointSlice's trigger time, else now).
-fn fold<K: Trim + Clone + PartialEq>(
+fn fold<K: Stored>(
     store: &mut KindStore<K>,
     event: Option<Result<watcher::Event<K>, watcher::Error>>,
     health: &SourceHealth,
@@ -349,7 +381,7 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
         let nodes_api = Api::<Node>::all(client.clone());
         let node_config = || watcher::Config::default().fields(&node_fields);
         let mut services = watch(services_api.clone(), watcher::Config::default());
-        let mut slices = watch(slices_api.clone(), watcher::Config::default());
+        let mut slices = watch::<EndpointSlice, Slice>(slices_api.clone(), watcher::Config::default());
         let mut nodes = watch(nodes_api.clone(), node_config());
         let mut next_probe = tokio::time::Instant::now() + PROBE_INTERVAL;
         let mut probe_failed = false;
