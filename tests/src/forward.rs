@@ -157,6 +157,15 @@ impl Forwarder {
         self.shared.changed.notify_all();
     }
 
+    /// Closes every connection open through the forwarder, as a load balancer in front of the
+    /// API that restarts would; new connections are forwarded as before.
+    pub fn reset_connections(&self) {
+        let state = self.shared.lock();
+        for stream in state.conns.values().flatten() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+
     /// Connections currently open through the forwarder.
     pub fn connections(&self) -> usize {
         self.shared.lock().conns.len()

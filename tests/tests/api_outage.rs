@@ -99,6 +99,7 @@ fn changes_made_while_the_api_is_black_holed_for_the_agent_are_applied_when_it_a
     env.within(Duration::from_secs(1), "creating Service other", |e| e.frontends().contains(&format!("{OTHER_VIP}:80/TCP")));
     let traffic = SteadyTraffic::start(&env.topo, "client", &format!("{VIP}:80"), &format!("{VIP}:53"), 20, 2, Duration::from_secs(40))
         .expect("steady traffic");
+    env.api.forwarder().reset_connections();
 
     // Only the agent's packets to the API vanish; the API itself works for everybody else.
     env.agent_access.as_ref().expect("agent access").set_blackhole(true);
@@ -176,7 +177,8 @@ fn an_expired_watch_410_gone_relists_without_removing_any_service() {
     let synced_before = env.agent.log_text().lines().filter(|l| l.contains(" synced ")).count();
 
     // Writes the agent does not watch move etcd's revision past its watches' resource versions;
-    // compaction then forgets them. Each watch ends at its timeout (30 s) and resumes: 410.
+    // compaction then forgets them. The agent's connection is then cut (as by a load balancer
+    // in front of the API restarting): each watch resumes from its old version and gets 410.
     for i in 0..5 {
         env.api
             .apply(&format!("apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: bump, namespace: demo}}\ndata: {{a: \"{i}\"}}\n"))
@@ -187,6 +189,7 @@ fn an_expired_watch_410_gone_relists_without_removing_any_service() {
     let sampler = FrontendSampler::start(env.agent.bpffs.clone());
     let traffic = SteadyTraffic::start(&env.topo, "client", &format!("{VIP}:80"), &format!("{VIP}:53"), 20, 2, Duration::from_secs(40))
         .expect("steady traffic");
+    env.api.forwarder().reset_connections();
     env.within(Duration::from_secs(45), "a 410 Gone and the relist after it", |e| {
         let log = e.agent.log_text();
         let gone = log.find(EXPIRED);

@@ -31,24 +31,32 @@ use crate::agent::error_chain;
 use crate::desired::{self, Changes, ClusterState, ServiceKey, ServiceObjects, Slice};
 use crate::source::{Snapshot, SourceHandle, SourceHealth};
 
-/// Server-side timeout of each watch call. kube-runtime treats a watch that stays silent for this
-/// plus 5 s as dead and reconnects, so a black-holed or half-open API connection (kubernetes#56720)
-/// is noticed within 35 s instead of hanging forever.
-const WATCH_TIMEOUT_SECS: u32 = 30;
-/// Bound on waiting for any response bytes (lists included); above the watch timeout so a quiet
-/// but healthy watch is never cut.
-const READ_TIMEOUT: Duration = Duration::from_secs(40);
-/// The API is probed (`GET /version`) this often while all is well: a black-holed or half-open
-/// connection is then reported within PROBE_INTERVAL + PROBE_TIMEOUT (15 s), not only when a watch
-/// times out. One tiny request per node every 10 s is the price.
-const PROBE_INTERVAL: Duration = Duration::from_secs(10);
-/// ... and this often while something is failing, to recover quickly.
+/// Server-side timeout of each watch call, drawn per watcher from this range as client-go does
+/// (5 to 10 minutes): a watch call ends and is made again about every 7.5 minutes, spread over
+/// time across nodes. A dead or black-holed connection is not waited out: see the PING below.
+const WATCH_TIMEOUT_SECS: std::ops::Range<u32> = 300..600;
+/// HTTP/2 PING on the API connection (negotiated by ALPN, as client-go does) this often, and the
+/// connection is closed when no answer comes within the timeout: a black-holed or half-open
+/// connection (kubernetes#56720) fails every watch on it within 10 s. PINGs are answered by the
+/// API server's HTTP/2 layer: no request, no authentication, no etcd read.
+const H2_PING_INTERVAL: Duration = Duration::from_secs(5);
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(5);
+/// TCP keep-alive on the API connection (a dead peer on an HTTP/1.1 connection, e.g. through a
+/// proxy that does not speak HTTP/2): first probe after this much silence, ...
+const TCP_KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+/// ... then every this often, and the connection is dropped after this many unanswered.
+const TCP_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const TCP_KEEPALIVE_RETRIES: u32 = 3;
+/// While a watch is failing, the API is probed (`GET /version`) about this often (uniformly
+/// 0.5 to 1.5 times it, so that nodes that lost the API together do not probe and relist in
+/// the same second): an answer recreates the failed watches at once instead of after their
+/// backoff. Nothing is probed while every watch is fine.
 const PROBE_INTERVAL_FAILING: Duration = Duration::from_secs(2);
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A client from `--kubeconfig`, else the in-cluster config, else `$KUBECONFIG`/~/.kube/config.
 pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
-    let mut config = match kubeconfig {
+    let config = match kubeconfig {
         Some(path) => {
             let file = kube::config::Kubeconfig::read_from(path)
                 .with_context(|| format!("reading --kubeconfig {}", path.display()))?;
@@ -58,9 +66,51 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
         }
         None => Config::infer().await.context("no in-cluster config and no kubeconfig found")?,
     };
-    config.read_timeout = Some(READ_TIMEOUT);
     tracing::info!(server = %config.cluster_url, "Kubernetes API source");
-    Client::try_from(config).context("building the Kubernetes client")
+    build_client(config).context("building the Kubernetes client")
+}
+
+/// kube's own client stack (rustls with the kubeconfig's credentials, connect and write
+/// timeouts, base URI, authentication, impersonation headers) on a connection that offers
+/// HTTP/2 by ALPN and checks it with PINGs, with TCP keep-alive under it. No read timeout: a
+/// quiet watch is healthy, and a dead connection is found by the PINGs (HTTP/2) or keep-alive.
+fn build_client(config: Config) -> anyhow::Result<Client> {
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::{TokioExecutor, TokioTimer};
+    use kube::client::ConfigExt;
+
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_keepalive(Some(TCP_KEEPALIVE_IDLE));
+    http.set_keepalive_interval(Some(TCP_KEEPALIVE_INTERVAL));
+    http.set_keepalive_retries(Some(TCP_KEEPALIVE_RETRIES));
+    let mut tls = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config.rustls_client_config()?).https_or_http();
+    if let Some(name) = &config.tls_server_name {
+        let name = name.clone().try_into().with_context(|| format!("invalid tls-server-name {name:?}"))?;
+        tls = tls.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name));
+    }
+    let mut connector = hyper_timeout::TimeoutConnector::new(tls.enable_http1().enable_http2().wrap_connector(http));
+    connector.set_connect_timeout(config.connect_timeout);
+    connector.set_write_timeout(config.write_timeout);
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .http2_keep_alive_interval(H2_PING_INTERVAL)
+        .http2_keep_alive_timeout(H2_PING_TIMEOUT)
+        .http2_keep_alive_while_idle(true)
+        .build(connector);
+    let service = tower::ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .map_err(tower::BoxError::from)
+        .service(client);
+    Ok(Client::new(service, config.default_namespace))
+}
+
+/// `base` scaled by a uniform factor in [0.5, 1.5).
+fn jittered(base: Duration) -> Duration {
+    base.mul_f64(0.5 + fastrand::f64())
 }
 
 type ObjectKey = (String, String);
@@ -223,7 +273,7 @@ where
     K: Trim + Clone + DeserializeOwned + Debug + Send + Into<V> + 'static,
     V: Stored,
 {
-    watcher(api, config.timeout(WATCH_TIMEOUT_SECS))
+    watcher(api, config.timeout(fastrand::u32(WATCH_TIMEOUT_SECS)))
         .default_backoff()
         .modify(Trim::trim)
         .map_ok(|event| match event {
@@ -383,7 +433,8 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
         let mut services = watch(services_api.clone(), watcher::Config::default());
         let mut slices = watch::<EndpointSlice, Slice>(slices_api.clone(), watcher::Config::default());
         let mut nodes = watch(nodes_api.clone(), node_config());
-        let mut next_probe = tokio::time::Instant::now() + PROBE_INTERVAL;
+        // Set only while something fails: a healthy agent sends no request of its own.
+        let mut next_probe: Option<tokio::time::Instant> = None;
         let mut probe_failed = false;
         let mut was_stale = false;
 
@@ -392,7 +443,7 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
                 e = services.next() => fold(&mut shared.lock().expect("stores lock").services, e, &health),
                 e = slices.next() => fold(&mut shared.lock().expect("stores lock").slices, e, &health),
                 e = nodes.next() => fold(&mut shared.lock().expect("stores lock").nodes, e, &health),
-                _ = tokio::time::sleep_until(next_probe) => {
+                _ = tokio::time::sleep_until(next_probe.unwrap_or_else(tokio::time::Instant::now)), if next_probe.is_some() => {
                     let answered = match tokio::time::timeout(PROBE_TIMEOUT, client.apiserver_version()).await {
                         Ok(Ok(_)) => true,
                         Ok(Err(error)) => {
@@ -421,14 +472,15 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
                     }
                     probe_failed = !answered;
                     let failing = probe_failed || st.failing();
-                    next_probe = tokio::time::Instant::now() + if failing { PROBE_INTERVAL_FAILING } else { PROBE_INTERVAL };
+                    next_probe = failing.then(|| tokio::time::Instant::now() + jittered(PROBE_INTERVAL_FAILING));
                     None
                 }
             };
             let mut st = shared.lock().expect("stores lock");
             let stale = probe_failed || st.failing();
             if stale {
-                next_probe = next_probe.min(tokio::time::Instant::now() + PROBE_INTERVAL_FAILING);
+                let soon = tokio::time::Instant::now() + jittered(PROBE_INTERVAL_FAILING);
+                next_probe = Some(next_probe.map_or(soon, |at| at.min(soon)));
             } else if was_stale && health.succeeded() {
                 tracing::info!("every watch is confirmed again; the datapath follows the API");
             }
