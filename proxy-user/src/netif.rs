@@ -75,7 +75,28 @@ mod tests {
         for kept in ["10.244.1.1", "192.0.2.7", "fd00::1", "2001:db8::1"] {
             assert!(is_node_address(kept.parse().unwrap()), "{kept}");
         }
-        let read = node_addresses().expect("getifaddrs");
-        assert!(read.iter().all(|a| is_node_address(*a)), "{read:?}");
+    }
+
+    /// What getifaddrs gives, against iproute2's own netlink dump of the same namespace (an
+    /// independent implementation): every global address, and nothing else.
+    #[test]
+    fn node_addresses_are_the_global_addresses_iproute2_lists() {
+        let output = std::process::Command::new("ip").args(["-json", "address", "show"]).output().expect("running ip");
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let links: serde_json::Value = serde_json::from_slice(&output.stdout).expect("ip's JSON");
+        let mut expected: Vec<IpAddr> = links
+            .as_array()
+            .expect("a list of links")
+            .iter()
+            .flat_map(|link| link["addr_info"].as_array().cloned().unwrap_or_default())
+            .filter(|a| a["scope"] == "global")
+            .map(|a| a["local"].as_str().expect("local").parse().expect("an address"))
+            .collect();
+        let mut read = node_addresses().expect("getifaddrs");
+        expected.sort();
+        expected.dedup();
+        read.sort();
+        read.dedup();
+        assert_eq!(read, expected);
     }
 }

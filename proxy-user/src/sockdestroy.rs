@@ -275,10 +275,8 @@ mod tests {
     #[test]
     fn a_connected_udp_socket_to_a_gone_backend_is_aborted_and_others_are_not() {
         // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: needs root");
-            return;
-        }
+        let euid = unsafe { libc::geteuid() };
+        assert_eq!(euid, 0, "this test needs root (CAP_NET_ADMIN, sock_diag): run it as root, or leave it out with --skip a_connected_udp_socket");
         let target = UdpSocket::bind("127.0.0.1:0").unwrap();
         let other = UdpSocket::bind("127.0.0.1:0").unwrap();
         let victim = UdpSocket::bind("127.0.0.1:0").unwrap();
