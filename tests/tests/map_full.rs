@@ -35,7 +35,7 @@ endpoints: [{addresses: [10.244.1.11]}, {addresses: [10.244.1.12]}]
 ports: [{name: http, port: 8080, protocol: TCP}]
 "#;
     dir.write_manifest(&format!("{base}{big}")).expect("manifest with big");
-    std::thread::sleep(Duration::from_secs(1));
+    agent.wait_for_log("not programmed: Service demo/big:http");
 
     let log = agent.log_text();
     assert!(

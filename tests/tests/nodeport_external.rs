@@ -327,11 +327,25 @@ fn long_lived_streams_from_outside_keep_their_backend_while_the_backend_set_chan
         Duration::from_secs(4),
     )
     .expect("steady traffic");
-    // be2 leaves the Service (its pod keeps running, as a terminating one would), then returns.
+    // be2 leaves the Service (its pod keeps running, as a terminating one would), then returns;
+    // each change is waited for until the datapath shows it, while the traffic runs.
+    let backends = |env: &Env| -> usize {
+        let entries = env.agent.entries(node, TCP_NODE_PORT, "TCP");
+        entries.iter().find(|e| e["scope"] == "external").and_then(|e| e["backends"].as_array().map(Vec::len)).unwrap_or(0)
+    };
+    let wait_backends = |env: &Env, count: usize| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while backends(env) != count {
+            assert!(std::time::Instant::now() < deadline, "the NodePort never had {count} backends");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
     std::thread::sleep(Duration::from_secs(1));
     env._dir.write_manifest(&manifest_with(&["10.244.1.11"])).expect("manifest without be2");
-    std::thread::sleep(Duration::from_millis(1500));
+    wait_backends(&env, 1);
+    std::thread::sleep(Duration::from_secs(1));
     env._dir.write_manifest(&manifest()).expect("manifest with be2 again");
+    wait_backends(&env, 2);
     let seen = traffic.finish().expect("steady result");
     assert_eq!(seen.failed(), 0, "no request, connection or stream may fail: {seen:?}");
     assert_eq!(seen.streams.ok, STREAMS, "{seen:?}");

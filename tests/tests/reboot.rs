@@ -67,7 +67,7 @@ fn a_corrupt_checkpoint_is_reported_and_ignored_and_the_api_still_wins() {
     std::fs::write(&checkpoint, bytes).expect("corrupt it");
 
     env.agent.spawn().expect("agent");
-    std::thread::sleep(Duration::from_secs(2));
+    env.agent.wait_for_log("ignoring the checkpoint");
     let log = env.agent.log_text();
     assert!(log.contains("ignoring the checkpoint") && log.contains("is corrupt"), "{log}");
     let untrusted = probe::tcp(&env.topo, "client", &format!("{VIP}:80"), 3).expect("probe");
