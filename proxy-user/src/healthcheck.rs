@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Service;
 
 use crate::agent::error_chain;
-use crate::desired::{ClusterState, LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME};
+use crate::desired::{ClusterState, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
 use crate::http::{self, Response};
 
 /// How far the datapath is behind the API: the age of the oldest change the source delivered
@@ -88,9 +88,9 @@ pub fn health_checks(cluster: &ClusterState, node_name: &str) -> BTreeMap<Servic
 
     let mut local: BTreeMap<ServiceName, BTreeSet<&str>> = BTreeMap::new();
     for slice in &cluster.slices {
-        let Some(service) = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else { continue };
+        let Some(service) = slice.service_name.as_ref() else { continue };
         let name = ServiceName {
-            namespace: slice.metadata.namespace.clone().unwrap_or_else(|| "default".to_owned()),
+            namespace: slice.object_name().0,
             name: service.clone(),
         };
         // kube-proxy keeps endpoints per usable port; a slice without one contributes nothing.

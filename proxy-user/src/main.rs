@@ -15,9 +15,15 @@ mod metrics;
 mod netif;
 mod reconcile;
 mod maglev;
+#[cfg(test)]
+mod memory_probe;
 mod snat_ports;
 mod sockdestroy;
 mod source;
+
+#[cfg(test)]
+#[global_allocator]
+static ALLOCATOR: memory_probe::Counting = memory_probe::Counting;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

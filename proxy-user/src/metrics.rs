@@ -306,7 +306,15 @@ impl ObjectChanges {
         }
         Self {
             services: changed(&previous.services, &current.services, |s| &s.metadata),
-            slices: changed(&previous.slices, &current.slices, |s| &s.metadata),
+            slices: {
+                let names = |slices: &[Arc<Slice>]| -> BTreeMap<(String, String), Arc<Slice>> {
+                    slices.iter().map(|s| ((s.namespace.clone(), s.name.clone()), s.clone())).collect()
+                };
+                let (before, after) = (names(&previous.slices), names(&current.slices));
+                let removed = before.keys().filter(|k| !after.contains_key(*k));
+                let changed = after.iter().filter(|(k, s)| before.get(*k).is_none_or(|b| !Arc::ptr_eq(b, s) && b != *s));
+                removed.chain(changed.map(|(k, _)| k)).cloned().collect()
+            },
         }
     }
 }
@@ -339,11 +347,9 @@ pub fn change_times(
     received: SystemTime,
     agent_started: SystemTime,
 ) -> Vec<SystemTime> {
-    let key = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
-        (meta.namespace.clone().unwrap_or_default(), meta.name.clone().unwrap_or_default())
-    };
-    let before: BTreeMap<_, &Slice> = previous.slices.iter().map(|s| (key(&s.metadata), &**s)).collect();
-    let after: BTreeMap<_, &Slice> = current.slices.iter().map(|s| (key(&s.metadata), &**s)).collect();
+    let slice_key = |s: &Slice| (s.namespace.clone(), s.name.clone());
+    let before: BTreeMap<_, &Slice> = previous.slices.iter().map(|s| (slice_key(s), &**s)).collect();
+    let after: BTreeMap<_, &Slice> = current.slices.iter().map(|s| (slice_key(s), &**s)).collect();
 
     let mut times = Vec::new();
     let mut without_time = before.keys().any(|k| !after.contains_key(k));
@@ -381,7 +387,7 @@ pub fn recorded_change_times(recorded: &[SystemTime], received: SystemTime, agen
 }
 
 pub fn trigger_time(slice: &Slice) -> Option<SystemTime> {
-    let text = slice.metadata.annotations.as_ref()?.get(ANNOTATION_LAST_CHANGE_TRIGGER_TIME)?;
+    let text = slice.trigger_time.as_ref()?;
     let timestamp: Timestamp = text.parse().ok()?;
     Some(SystemTime::from(timestamp))
 }

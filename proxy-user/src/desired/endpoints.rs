@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use super::{
-    object_name, AddressField, Backend, BackendAddr, Family, InvalidAddress, InvalidPort, PortKey, Proto, RejectReason, RejectedObject,
-    Rejection, Slice, LABEL_SERVICE_NAME,
+    AddressField, Backend, BackendAddr, Family, InvalidAddress, InvalidPort, PortKey, Proto, RejectReason, RejectedObject,
+    Rejection, Slice,
 };
 use crate::ipparse::{parse_ip_sloppy, special_address};
 
@@ -45,7 +45,7 @@ pub(super) fn merge_slices<'a>(
 ) -> MergedSlices {
     let mut merged = MergedSlices { by_service: BTreeMap::new(), slice_names: BTreeMap::new() };
     for slice in slices {
-        let (namespace, name) = object_name(&slice.metadata);
+        let (namespace, name) = slice.object_name();
         let object = RejectedObject::endpoint_slice(&namespace, &name);
         let family = match slice.address_type.as_str() {
             "IPv4" => Family::V4,
@@ -57,7 +57,7 @@ pub(super) fn merge_slices<'a>(
                 continue;
             }
         };
-        let Some(service) = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
+        let Some(service) = slice.service_name.as_ref() else {
             rejections.push(Rejection::new(object, RejectReason::MissingServiceLabel));
             continue;
         };

@@ -24,7 +24,7 @@ use super::endpoints::merge_slices;
 use super::{
     nodeport_addresses, object_name, service_candidates, Candidate, ClusterState, Conflict, DesiredState, Frontend,
     FrontendKind, FrontendSpec, NodeConfig, RejectReason, RejectedObject, Rejection, Scope, ServicePortName, Slice, ThisNode,
-    LABEL_SERVICE_NAME, LABEL_ZONE,
+    LABEL_ZONE,
 };
 
 /// `(namespace, name)` of a Service. EndpointSlices belong to the key their
@@ -50,8 +50,8 @@ pub enum Changes {
 
 /// The key a slice belongs to.
 pub fn slice_service_key(slice: &Slice) -> ServiceKey {
-    let (namespace, _) = object_name(&slice.metadata);
-    let service = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)).cloned().unwrap_or_default();
+    let (namespace, _) = slice.object_name();
+    let service = slice.service_name.clone().unwrap_or_default();
     (namespace, service)
 }
 
@@ -330,7 +330,7 @@ fn service_output(key: &ServiceKey, objects: &ServiceObjects, node: &ThisNode<'_
     let mut rejections = Vec::new();
     let mut slices: Vec<&Slice> = objects.slices.iter().map(|s| &**s).collect();
     // Deterministic: which copy of a duplicate endpoint is kept must not depend on list order.
-    slices.sort_by_key(|slice| object_name(&slice.metadata));
+    slices.sort_by_key(|slice| slice.object_name());
     let merged = merge_slices(slices, &mut rejections);
     let mut candidates = Vec::new();
     if objects.services.is_empty() {

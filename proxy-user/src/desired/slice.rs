@@ -4,11 +4,19 @@
 //! holds the same answers in about 30.
 
 use k8s_openapi::api::discovery::v1::{EndpointConditions, EndpointHints, EndpointPort, EndpointSlice};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use super::LABEL_SERVICE_NAME;
+use crate::metrics::ANNOTATION_LAST_CHANGE_TRIGGER_TIME;
 
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Slice {
-    pub metadata: ObjectMeta,
+    /// As the object says ("" when it names none).
+    pub namespace: String,
+    pub name: String,
+    /// Its `kubernetes.io/service-name` label: the Service it belongs to.
+    pub service_name: Option<String>,
+    /// Its `endpoints.kubernetes.io/last-change-trigger-time` annotation (network programming
+    /// latency), as written.
+    pub trigger_time: Option<String>,
     pub address_type: String,
     pub ports: Option<Vec<EndpointPort>>,
     pub endpoints: Vec<SliceEndpoint>,
@@ -27,17 +35,34 @@ pub struct SliceEndpoint {
 
 impl From<EndpointSlice> for Slice {
     fn from(slice: EndpointSlice) -> Self {
-        let endpoints = slice
-            .endpoints
-            .into_iter()
-            .map(|endpoint| SliceEndpoint {
-                address: endpoint.addresses.into_iter().next().map(shrink),
-                conditions: endpoint.conditions,
-                node_name: endpoint.node_name.map(shrink),
-                hints: endpoint.hints.map(Box::new),
-            })
-            .collect();
-        Self { metadata: slice.metadata, address_type: slice.address_type, ports: slice.ports, endpoints }
+        // A new Vec, not `collect()`: that would reuse the API Vec's allocation in place and
+        // keep its 352 bytes per endpoint (measured: 5.5 KiB per slice of 10 instead of 2).
+        let mut endpoints = Vec::with_capacity(slice.endpoints.len());
+        endpoints.extend(slice.endpoints.into_iter().map(|endpoint| SliceEndpoint {
+            address: endpoint.addresses.into_iter().next().map(shrink),
+            conditions: endpoint.conditions,
+            node_name: endpoint.node_name.map(shrink),
+            hints: endpoint.hints.map(Box::new),
+        }));
+        let mut meta = slice.metadata;
+        Self {
+            namespace: meta.namespace.unwrap_or_default(),
+            name: meta.name.unwrap_or_default(),
+            service_name: meta.labels.as_mut().and_then(|l| l.remove(LABEL_SERVICE_NAME)),
+            trigger_time: meta.annotations.as_mut().and_then(|a| a.remove(ANNOTATION_LAST_CHANGE_TRIGGER_TIME)),
+            address_type: slice.address_type,
+            ports: slice.ports,
+            endpoints,
+        }
+    }
+}
+
+impl Slice {
+    /// (namespace, name), the namespace `default` when the object names none (as a manifest
+    /// applied without one would be).
+    pub fn object_name(&self) -> (String, String) {
+        let namespace = if self.namespace.is_empty() { "default" } else { &self.namespace };
+        (namespace.to_owned(), self.name.clone())
     }
 }
 
@@ -54,7 +79,7 @@ mod tests {
     #[test]
     fn keeps_what_kube_proxy_reads_and_only_the_first_address() {
         let slice: EndpointSlice = serde_yaml::from_str(
-            "metadata: {name: s, namespace: demo, labels: {kubernetes.io/service-name: web}}\n\
+            "metadata: {name: s, namespace: demo, labels: {kubernetes.io/service-name: web, other: x}}\n\
              addressType: IPv4\n\
              ports: [{name: http, port: 8080, protocol: TCP}]\n\
              endpoints:\n\
@@ -64,7 +89,8 @@ mod tests {
         )
         .unwrap();
         let slim = Slice::from(slice.clone());
-        assert_eq!((slim.metadata, slim.address_type, slim.ports), (slice.metadata, slice.address_type, slice.ports));
+        assert_eq!((slim.object_name(), slim.service_name.as_deref()), (("demo".into(), "s".into()), Some("web")));
+        assert_eq!((slim.address_type, slim.ports), (slice.address_type, slice.ports));
         assert_eq!(slim.endpoints.len(), 2);
         let first = &slim.endpoints[0];
         assert_eq!(first.address.as_deref(), Some("10.0.0.1"));

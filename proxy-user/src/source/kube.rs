@@ -159,7 +159,7 @@ impl Stored for Node {
 
 impl Stored for Slice {
     fn object_key(&self) -> ObjectKey {
-        (self.metadata.namespace.clone().unwrap_or_default(), self.metadata.name.clone().unwrap_or_default())
+        (self.namespace.clone(), self.name.clone())
     }
 
     fn change_time(&self) -> Option<std::time::SystemTime> {
@@ -289,7 +289,7 @@ where
 /// Only what the agent reads of an object is kept in its store: managedFields, kubectl's
 /// last-applied copy, owner references and the like are most of a small object's size (at
 /// 30 000 Services and slices, tens of MiB) and nothing the datapath needs.
-trait Trim: Resource {
+pub(crate) trait Trim: Resource {
     fn trim(&mut self) {
         let meta = self.meta_mut();
         meta.managed_fields = None;
@@ -299,9 +299,16 @@ trait Trim: Resource {
         meta.creation_timestamp = None;
         meta.generation = None;
         meta.generate_name = None;
+        // The watcher has taken it already; without it, an update that changes nothing the
+        // agent reads compares equal to the stored object and costs no sync.
+        meta.resource_version = None;
         // The only annotation read: when the endpoints last changed (network programming latency).
         if let Some(annotations) = meta.annotations.as_mut() {
             annotations.retain(|key, _| key == crate::metrics::ANNOTATION_LAST_CHANGE_TRIGGER_TIME);
+        }
+        // An empty map still holds a node of eleven slots once it has had an entry.
+        if meta.annotations.as_ref().is_some_and(|a| a.is_empty()) {
+            meta.annotations = None;
         }
         self.trim_kind();
     }
@@ -309,7 +316,25 @@ trait Trim: Resource {
     fn trim_kind(&mut self) {}
 }
 
-impl Trim for Service {}
+impl Trim for Service {
+    fn trim_kind(&mut self) {
+        // Labels read: another proxy's, and headless; the selector is the endpoint
+        // controller's business. At 30 000 Services each map is about half a KiB.
+        if let Some(labels) = self.metadata.labels.as_mut() {
+            labels.retain(|key, _| key == desired::LABEL_SERVICE_PROXY_NAME || key == desired::LABEL_HEADLESS);
+        }
+        if self.metadata.labels.as_ref().is_some_and(|l| l.is_empty()) {
+            self.metadata.labels = None;
+        }
+        if let Some(spec) = self.spec.as_mut() {
+            spec.selector = None;
+        }
+        if let Some(status) = self.status.as_mut() {
+            // The load balancer's ingress addresses stay.
+            status.conditions = None;
+        }
+    }
+}
 
 impl Trim for EndpointSlice {
     fn trim_kind(&mut self) {

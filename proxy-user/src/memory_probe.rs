@@ -1,0 +1,124 @@
+//! Where the agent's memory goes at scale: live heap bytes (a counting allocator, tests only)
+//! after the cluster objects as the kube source keeps them, the desired state, and the
+//! reconciler's record of the maps. A measurement, not a check (ignored; run with
+//! `cargo test --release -p proxy-user -- --ignored --nocapture memory`); the benchmark report
+//! quotes it next to the agent's peak RSS.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use crate::desired::{Changes, ClusterState, Incremental, NodeConfig, Slice};
+use crate::lbmap::FakeMaps;
+use crate::reconcile::Reconciler;
+use crate::source::kube::Trim;
+
+/// The system allocator, counting the bytes live.
+pub struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+fn live_mib() -> f64 {
+    LIVE.load(Ordering::Relaxed) as f64 / (1024.0 * 1024.0)
+}
+
+/// A Service as the API serves it, trimmed as the kube source trims it.
+fn service(i: usize) -> Service {
+    let ip = format!("10.{}.{}.{}", 96 + i / 65_536, (i / 256) % 256, i % 256);
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": format!("svc-{i}"), "namespace": "bench", "resourceVersion": format!("{}", 100_000 + i)},
+        "spec": {
+            "type": "ClusterIP", "clusterIP": ip, "clusterIPs": [ip], "ipFamilies": ["IPv4"],
+            "ipFamilyPolicy": "SingleStack", "internalTrafficPolicy": "Cluster", "sessionAffinity": "None",
+            "selector": {"app": format!("app-{i}")},
+            "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
+        },
+        "status": {"loadBalancer": {}},
+    }))
+    .map(|mut service: Service| {
+        service.trim();
+        service
+    })
+    .expect("service")
+}
+
+/// An EndpointSlice of `endpoints` endpoints as the API serves it, trimmed and converted as the
+/// kube source does.
+fn slice(i: usize, endpoints: usize) -> Slice {
+    let endpoints: Vec<_> = (0..endpoints)
+        .map(|e| {
+            let n = i * endpoints + e;
+            serde_json::json!({
+                "addresses": [format!("10.{}.{}.{}", 128 + n / 65_536, (n / 256) % 256, n % 256)],
+                "conditions": {"ready": true, "serving": true, "terminating": false},
+                "nodeName": format!("node-{}", n % 100),
+            })
+        })
+        .collect();
+    let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": format!("svc-{i}-abcde"), "namespace": "bench", "resourceVersion": format!("{}", 200_000 + i),
+            "labels": {"kubernetes.io/service-name": format!("svc-{i}"), "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"},
+            "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": "2026-12-04T00:00:00Z"},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": endpoints,
+    }))
+    .expect("slice");
+    let mut slice = slice;
+    slice.trim();
+    slice.into()
+}
+
+#[test]
+#[ignore = "a measurement: run with --ignored --nocapture"]
+fn memory_at_30000_services_of_10_endpoints() {
+    const SERVICES: usize = 30_000;
+    const ENDPOINTS: usize = 10;
+    let start = live_mib();
+    let services: Vec<_> = (0..SERVICES).map(|i| Arc::new(service(i))).collect();
+    let service_objects = live_mib();
+    let slices: Vec<_> = (0..SERVICES).map(|i| Arc::new(slice(i, ENDPOINTS))).collect();
+    let cluster = ClusterState { services, slices, node: None };
+    let objects = live_mib();
+    let config = NodeConfig { node_name: "node-0".into(), interface_addresses: vec!["192.168.0.10".parse().unwrap()], ..Default::default() };
+    let mut desired = Incremental::default();
+    desired.update(&cluster, &config, &Changes::All);
+    let state = live_mib();
+    let mut reconciler = Reconciler::adopt(FakeMaps { checked: false, ..FakeMaps::default() }).expect("adopt");
+    let report = reconciler.reconcile(desired.state());
+    assert!(report.failures.is_empty());
+    let reconciled = live_mib();
+    let maps = reconciler.maps().clone();
+    let fake_maps = live_mib() - reconciled;
+    drop(maps);
+    eprintln!(
+        "{SERVICES} Services x {ENDPOINTS} endpoints, live heap MiB: objects {:.1} (Services {:.1}), desired state {:.1}, reconciler {:.1} \
+         (its fake maps, the kernel's share in the agent, {:.1} of it): total without the maps {:.1}",
+        objects - start,
+        service_objects - start,
+        state - objects,
+        reconciled - state,
+        fake_maps,
+        reconciled - start - fake_maps,
+    );
+}
