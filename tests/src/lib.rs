@@ -9,6 +9,8 @@
 //! - [`scenario`]: a client, two backends behind a Service, and the agent, ready to use.
 //! - [`control_plane`]: real etcd + kube-apiserver (from `cargo xtask peers`, `$EPX_PEERS_DIR`)
 //!   in a pod of a topology, reachable from the host's loopback, with blocking apply/delete.
+//! - [`node`]: a real single-node Kubernetes on that control plane: kube-controller-manager,
+//!   kube-scheduler, kubelet on containerd/runc/CNI, locally built images, CoreDNS as kube-dns.
 //! - [`kube_proxy`]: the real upstream kube-proxy (iptables or nftables mode) in a node namespace.
 //! - [`forward`]: a TCP forwarder from the host's loopback into a namespace, which can black-hole.
 //! - [`packet`]: hand-built Ethernet/IPv4/TCP/UDP frames and a checksum-verifying reader.
@@ -27,6 +29,7 @@ pub mod forward;
 pub mod kube_proxy;
 pub mod probe;
 pub mod kube_scenario;
+pub mod node;
 pub mod packet;
 pub mod packet6;
 pub mod scenario;

@@ -39,7 +39,9 @@ enum Task {
     },
     /// Pods as network namespaces, the agent on a Service manifest, traffic shown flowing.
     Demo,
-    /// Build kube-apiserver, kube-proxy and etcd from their Go modules into the cache.
+    /// Build the upstream peers from their Go modules into the cache (only those missing):
+    /// kube-apiserver, kube-proxy, kubelet, kube-controller-manager, kube-scheduler, kubectl,
+    /// etcd and CoreDNS.
     Peers,
     /// The end-to-end tests that need no API server, on another kernel in a QEMU VM (TCG).
     VmTest {
@@ -83,7 +85,9 @@ enum Task {
         #[arg(long, default_value_t = 600)]
         cold_start_limit: u64,
     },
-    /// A local control plane (etcd + kube-apiserver) in a network namespace, with a kubeconfig.
+    /// A local control plane (etcd + kube-apiserver) in a network namespace, with a kubeconfig;
+    /// `up --node` adds a real node: kube-controller-manager, kube-scheduler, kubelet on
+    /// containerd, CoreDNS. No kube-proxy: Services need the agent.
     Cluster {
         #[command(subcommand)]
         action: ClusterAction,
@@ -93,8 +97,16 @@ enum Task {
 #[derive(Subcommand)]
 enum ClusterAction {
     /// Start it and keep it running until Ctrl-C; prints the kubeconfig path.
-    Up,
-    /// Remove what an interrupted `up` (or test run) left behind.
+    Up {
+        /// Also a real single-node Kubernetes without kube-proxy, in namespaces and temporary
+        /// directories of its own: kube-controller-manager, kube-scheduler, kubelet on Debian's
+        /// containerd/runc/CNI plugins, locally built images (pause, epx-probe, CoreDNS) and
+        /// CoreDNS as Service kube-system/kube-dns (10.96.0.10). Builds the missing peers first.
+        #[arg(long)]
+        node: bool,
+    },
+    /// Remove what an interrupted `up` (or test run) left behind: processes, namespaces,
+    /// cgroups, temporary directories, pins; restores the kernel settings kubelet changed.
     Down,
 }
 
@@ -303,9 +315,15 @@ fn main() -> anyhow::Result<()> {
             setup::sweep_leftovers();
             demo::run()
         }
-        Task::Cluster { action: ClusterAction::Up } => {
-            setup::ensure()?;
-            cluster::up()
+        Task::Cluster { action: ClusterAction::Up { node } } => {
+            if node {
+                // epx-probe and epx-pause go into the node's images.
+                build()?;
+                setup::ensure_node_tools()?;
+            } else {
+                setup::ensure()?;
+            }
+            cluster::up(node)
         }
         Task::Cluster { action: ClusterAction::Down } => cluster::down(),
         Task::Bench { quick, max_services, window, rounds, out, redraw, cold_start_limit } => {

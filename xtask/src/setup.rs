@@ -38,6 +38,11 @@ const PACKAGES: &[&str] = &[
 /// never installed.
 const VM_PACKAGES: &[&str] = &["qemu-system-x86", "kmod"];
 
+/// Debian packages for `cargo xtask cluster up --node`: the container runtime and its pieces
+/// (containerd 1.6, runc, the CNI plugins in /usr/lib/cni) and buildah, which builds the node's
+/// images locally since no registry is reachable.
+const NODE_PACKAGES: &[&str] = &["containerd", "runc", "containernetworking-plugins", "buildah"];
+
 const BPF_LINKER_VERSION: &str = "0.13";
 
 fn is_root() -> bool {
@@ -122,10 +127,19 @@ pub fn ensure_vm_tools() -> anyhow::Result<()> {
     install_missing(VM_PACKAGES)
 }
 
+/// What `cargo xtask cluster up --node` needs beyond `ensure`. Idempotent. The Debian package
+/// starts no containerd here (no systemd); the node runs its own with its own config and socket.
+pub fn ensure_node_tools() -> anyhow::Result<()> {
+    install_missing(NODE_PACKAGES)
+}
+
 /// Removes namespaces, cgroups and bpffs directories left by an earlier test run that was killed
 /// before its guards ran. Only names with the tests' prefix are touched.
 pub fn sweep_leftovers() {
     let prefix = format!("{}-", e2e::PREFIX);
+    // Nodes first: their pods, containerd and kubelet die, the kernel settings kubelet changed
+    // are restored, before their namespaces and directories go below.
+    e2e::node::sweep();
     if let Ok(entries) = std::fs::read_dir("/run/netns") {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
