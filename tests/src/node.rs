@@ -75,6 +75,12 @@ const KUBELET_SYSCTLS: &[&str] = &[
 /// their mount namespace each is a bind mount of `<dir>/host/<name>`.
 const PRIVATE_HOST_DIRS: &[(&str, &str)] = &[
     ("/run/containerd", "run-containerd"),
+    // kubelet's device-plugin socket directory is fixed (`/var/lib/kubelet/device-plugins`),
+    // whatever its `--root-dir`.
+    ("/var/lib/kubelet", "var-lib-kubelet"),
+    // buildah (containers/image) keeps its blob-info cache there when run as root, whatever its
+    // `--root`.
+    ("/var/lib/containers", "var-lib-containers"),
     ("/run/netns", "run-netns"),
     ("/var/lib/cni", "var-lib-cni"),
     ("/var/log/pods", "var-log-pods"),
@@ -167,7 +173,7 @@ impl Node {
 
         node.start_controllers(topology, cp, &peers)?;
         node.start_containerd(topology)?;
-        node.images = node.build_and_import_images(&peers)?;
+        node.images = node.build_and_import_images(topology, &peers)?;
         node.start_kubelet(topology, cp, &peers)?;
         node.wait_node_ready(cp)?;
         eprintln!("node {NODE_NAME} Ready after {:.1?}", started.elapsed());
@@ -189,6 +195,41 @@ impl Node {
             all.push_str(&format!("--- {name}.log (last {LOG_TAIL_LINES} lines) ---\n{}\n", tail(&log, LOG_TAIL_LINES)));
         }
         all
+    }
+
+    /// `kubectl` from the peers (Debian's 1.20 is too old) with the admin kubeconfig and its
+    /// discovery cache in the node's directory (not `~/.kube/cache`); its stdout on success.
+    pub fn kubectl(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out = Command::new(peers_dir().join("kubectl"))
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .arg("--cache-dir")
+            .arg(self.path("kubectl-cache"))
+            .args(args)
+            .output()
+            .context("running kubectl")?;
+        if !out.status.success() {
+            bail!("kubectl {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Retries `kubectl args` until its output satisfies `done`; that output, or an error with
+    /// the last answer after `timeout`.
+    pub fn kubectl_until(&self, args: &[&str], timeout: Duration, done: impl Fn(&str) -> bool) -> anyhow::Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let last = self.kubectl(args);
+            if let Ok(out) = &last {
+                if done(out) {
+                    return Ok(out.clone());
+                }
+            }
+            if Instant::now() >= deadline {
+                bail!("kubectl {} not as expected after {timeout:?}: {last:?}", args.join(" "));
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
     }
 
     fn save_host_state(&mut self) -> anyhow::Result<()> {
@@ -324,31 +365,33 @@ imageGCLowThresholdPercent: 99
         Ok(())
     }
 
-    /// kube-controller-manager and kube-scheduler in the API server's pod, talking to it directly.
+    /// kube-controller-manager and kube-scheduler in the API server's network namespace, talking to
+    /// it directly, and in the daemons' cgroup: `sweep` kills them with the rest of the node
+    /// (kube-controller-manager would otherwise recreate its flex-volume directory meanwhile).
     fn start_controllers(&mut self, topology: &Topology, cp: &ControlPlane, peers: &Path) -> anyhow::Result<()> {
         let kubeconfig = cp.direct_kubeconfig("controllers")?;
-        let mut manager = topology.command_in(POD, &peers.join("kube-controller-manager"))?;
-        manager
-            .arg(format!("--kubeconfig={}", kubeconfig.display()))
-            .arg("--leader-elect=false")
-            .arg("--bind-address=127.0.0.1")
-            .arg(format!("--service-account-private-key-file={}", cp.dir.join("sa.key").display()))
+        let manager_args = [
+            format!("--service-account-private-key-file={}", cp.dir.join("sa.key").display()),
             // Published to every namespace as ConfigMap kube-root-ca.crt, which every projected
             // ServiceAccount token volume includes: without it no pod starts.
-            .arg(format!("--root-ca-file={}", cp.ca_cert.display()))
-            .arg("--allocate-node-cidrs=true")
-            .arg(format!("--cluster-cidr={CLUSTER_CIDR}"))
-            .arg("--node-cidr-mask-size=24")
-            .arg(format!("--service-cluster-ip-range={SERVICE_CIDR}"))
-            .arg("--v=1");
-        self.spawn("kube-controller-manager", manager)?;
-        let mut scheduler = topology.command_in(POD, &peers.join("kube-scheduler"))?;
-        scheduler
-            .arg(format!("--kubeconfig={}", kubeconfig.display()))
-            .arg("--leader-elect=false")
-            .arg("--bind-address=127.0.0.1")
-            .arg("--v=1");
-        self.spawn("kube-scheduler", scheduler)
+            format!("--root-ca-file={}", cp.ca_cert.display()),
+            "--allocate-node-cidrs=true".to_owned(),
+            format!("--cluster-cidr={CLUSTER_CIDR}"),
+            "--node-cidr-mask-size=24".to_owned(),
+            format!("--service-cluster-ip-range={SERVICE_CIDR}"),
+            // Its default, /usr/libexec/kubernetes/kubelet-plugins/volume/exec, is created at start.
+            format!("--flex-volume-plugin-dir={}", self.path("volume-plugins").display()),
+        ];
+        let controllers: [(&'static str, &[String]); 2] = [("kube-controller-manager", &manager_args), ("kube-scheduler", &[])];
+        for (name, args) in controllers {
+            let mut cmd = Command::new(peers.join(name));
+            self.enter_node(&mut cmd, &topology.pod(POD).netns.path(), None)?;
+            cmd.arg(format!("--kubeconfig={}", kubeconfig.display()))
+                .args(["--leader-elect=false", "--bind-address=127.0.0.1", "--v=1"])
+                .args(args);
+            self.spawn(name, cmd)?;
+        }
+        Ok(())
     }
 
     /// Starts `cmd` with its output in `<dir>/<name>.log`, and keeps it to kill on drop.
@@ -376,6 +419,10 @@ imageGCLowThresholdPercent: 99
         // Slave: the host's later mounts (bpffs, cgroups) still show inside, none of ours leak out.
         cmd.args(["--mount", "--propagation", "slave", "--", "sh", "-c", &script]);
         self.enter_node(&mut cmd, &topology.node.path(), None)?;
+        // Its temporary mounts (image unpacking) are made under $TMPDIR.
+        let tmp = self.path("containerd/tmp");
+        fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        cmd.env("TMPDIR", tmp);
         self.spawn("containerd", cmd)?;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -390,9 +437,9 @@ imageGCLowThresholdPercent: 99
         }
     }
 
-    /// Puts `cmd` into the daemons' cgroup (every hierarchy) and the node's network namespace,
+    /// Puts `cmd` into the daemons' cgroup (every hierarchy) and the network namespace `netns`,
     /// or into the mount and network namespaces of process `join` when given.
-    fn enter_node(&self, cmd: &mut Command, node_netns: &Path, join: Option<u32>) -> anyhow::Result<()> {
+    fn enter_node(&self, cmd: &mut Command, netns: &Path, join: Option<u32>) -> anyhow::Result<()> {
         let mut procs = Vec::new();
         for hierarchy in cgroup_hierarchies()? {
             let path = hierarchy.join(&self.daemons_cgroup).join("cgroup.procs");
@@ -400,7 +447,7 @@ imageGCLowThresholdPercent: 99
         }
         let (net, mnt) = match join {
             Some(pid) => (File::open(format!("/proc/{pid}/ns/net"))?, Some(File::open(format!("/proc/{pid}/ns/mnt"))?)),
-            None => (File::open(node_netns)?, None),
+            None => (File::open(netns)?, None),
         };
         // SAFETY: only write(2) and setns(2), both async-signal-safe, between fork and exec; the
         // files are moved into the closure and stay open until exec.
@@ -445,7 +492,9 @@ imageGCLowThresholdPercent: 99
 
     /// Images from scratch with buildah (no registry is reachable): the binaries and the shared
     /// libraries `ldd` names, committed, written as OCI archives and imported into containerd.
-    fn build_and_import_images(&mut self, peers: &Path) -> anyhow::Result<Images> {
+    /// buildah runs in containerd's mount namespace, so that what it writes to fixed host paths
+    /// lands in the node's directory.
+    fn build_and_import_images(&mut self, topology: &Topology, peers: &Path) -> anyhow::Result<Images> {
         let images = Images { pause: image_ref("pause"), probe: image_ref("probe"), coredns: coredns_ref() };
         let builds: [(&str, PathBuf, &str); 3] = [
             (&images.pause, crate::bin("epx-pause"), "/epx-pause"),
@@ -453,8 +502,10 @@ imageGCLowThresholdPercent: 99
             (&images.coredns, peers.join("coredns"), "/coredns"),
         ];
         let storage = self.path("buildah");
+        let containerd = self.pid_of("containerd")?;
         let buildah = |args: &[&str]| -> anyhow::Result<String> {
             let mut cmd = Command::new("buildah");
+            self.enter_node(&mut cmd, &topology.node.path(), Some(containerd))?;
             cmd.args(["--storage-driver", "vfs", "--root"])
                 .arg(storage.join("root"))
                 .arg("--runroot")
@@ -468,7 +519,7 @@ imageGCLowThresholdPercent: 99
         for (reference, binary, entrypoint) in builds {
             let container = buildah(&["from", "scratch"])?;
             let mut files = vec![(binary.clone(), PathBuf::from(entrypoint))];
-            files.extend(shared_libraries(&binary)?.into_iter().map(|lib| (lib.clone(), lib)));
+            files.extend(crate::shared_libraries(&binary)?.into_iter().map(|lib| (lib.clone(), lib)));
             for (source, target) in files {
                 buildah(&["copy", &container, &source.display().to_string(), &target.display().to_string()])?;
             }
@@ -498,6 +549,7 @@ imageGCLowThresholdPercent: 99
             .arg(format!("--config={}", self.path("kubelet.yaml").display()))
             .arg(format!("--kubeconfig={}", kubeconfig.display()))
             .arg(format!("--root-dir={}", self.path("kubelet").display()))
+            .arg(format!("--cert-dir={}", self.path("kubelet/pki").display()))
             .arg(format!("--hostname-override={NODE_NAME}"))
             .arg(format!("--node-ip={NODE_IP}"))
             // Root here lacks CAP_SYS_RESOURCE: kubelet's default -999 would fail.
@@ -630,6 +682,46 @@ pub fn sweep() {
     }
 }
 
+/// What of the host a node changes while it runs, as far as its clean-up must undo it: the kernel
+/// settings kubelet writes, which of the host directories it needs exist, the mounts below them
+/// (the tests' own `/run/netns/<PREFIX>-*` excepted) and the nodes' cgroups. Equal before a node
+/// started and after it was dropped, or the clean-up is broken.
+#[derive(Debug, PartialEq, Eq)]
+pub struct HostFootprint {
+    sysctls: Vec<(String, String)>,
+    host_dirs: Vec<(String, bool)>,
+    mounts: Vec<String>,
+    cgroups: Vec<PathBuf>,
+}
+
+pub fn host_footprint() -> anyhow::Result<HostFootprint> {
+    let mut sysctls = Vec::new();
+    for sysctl in KUBELET_SYSCTLS {
+        let path = Path::new("/proc/sys").join(sysctl);
+        let value = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        sysctls.push((sysctl.to_string(), value.trim().to_owned()));
+    }
+    let host_dirs = PRIVATE_HOST_DIRS.iter().map(|(dir, _)| (dir.to_string(), Path::new(dir).exists())).collect();
+    let own_netns = format!("/run/netns/{}-", crate::PREFIX);
+    let mounts = fs::read_to_string("/proc/mounts")?
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(1))
+        .filter(|point| PRIVATE_HOST_DIRS.iter().any(|(dir, _)| Path::new(point).starts_with(dir)) && !point.starts_with(&own_netns))
+        .map(str::to_owned)
+        .collect();
+    let prefix = format!("{}-", crate::PREFIX);
+    let mut cgroups = Vec::new();
+    for hierarchy in cgroup_hierarchies()? {
+        for entry in fs::read_dir(&hierarchy)?.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(&prefix) && (name.ends_with("-node") || name.ends_with("-noded")) {
+                cgroups.push(entry.path());
+            }
+        }
+    }
+    Ok(HostFootprint { sysctls, host_dirs, mounts, cgroups })
+}
+
 fn restore_host(state: &HostState) {
     for (sysctl, value) in &state.sysctls {
         let path = Path::new("/proc/sys").join(sysctl);
@@ -724,27 +816,6 @@ fn tail(path: &Path, lines: usize) -> String {
     let text = fs::read(path).map(|bytes| String::from_utf8_lossy(&bytes).into_owned()).unwrap_or_default();
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
-}
-
-/// The shared libraries and dynamic loader `binary` needs, as `ldd` resolves them on this host
-/// (none for a static binary).
-fn shared_libraries(binary: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let output = Command::new("ldd").arg(binary).output().context("running ldd")?;
-    if !output.status.success() {
-        return Ok(Vec::new());
-    }
-    let mut libraries = Vec::new();
-    for line in String::from_utf8_lossy(&output.stdout).lines().map(str::trim) {
-        let path = match line.split_once("=> ") {
-            Some((name, _)) if line.contains("not found") => bail!("{}: {name} not found by ldd", binary.display()),
-            Some((_, rest)) => rest.split(" (").next().unwrap_or(""),
-            None => line.split(" (").next().unwrap_or(""),
-        };
-        if path.starts_with('/') {
-            libraries.push(PathBuf::from(path));
-        }
-    }
-    Ok(libraries)
 }
 
 /// CoreDNS as upstream's addon manifest (cluster/addons/dns/coredns) has it, with the standard

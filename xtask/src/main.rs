@@ -175,7 +175,10 @@ fn build() -> anyhow::Result<()> {
 
 fn test(args: &[String]) -> anyhow::Result<()> {
     build()?;
-    // The control-plane tests run the real kube-apiserver and etcd from here.
+    // tests/tests/real_node.rs runs a kubelet on Debian's containerd, images built with buildah.
+    setup::ensure_node_tools()?;
+    // The control-plane tests run the real kube-apiserver and etcd from here, the real-node test
+    // also kubelet, kube-controller-manager, kube-scheduler, kubectl and CoreDNS.
     let peers = peers::run()?;
     setup::sweep_leftovers();
     step("running all tests (unit tests, then end-to-end tests in network namespaces)");
