@@ -8,7 +8,8 @@
 //! k8s.io/kubernetes and replaces each staging module with its published release (`k8s.io/api
 //! v0.34.4` for Kubernetes v1.34.4); the list is read from the real go.mod, so it follows the version.
 //! etcd's server module has replaces too, but a wrapper that merely requires it builds with none;
-//! so does CoreDNS's (its module root is the main package).
+//! so does CoreDNS's, whose main package the wrapper brings itself to link fewer plugins
+//! ([`COREDNS_MAIN_GO`]).
 //!
 //! Each binary is checked on its own (it must run and report the expected version) and only the
 //! missing ones are built, so a cache made before a binary was added here stays valid.
@@ -31,7 +32,45 @@ const ETCD_VERSION: &str = "v3.6.16";
 const COREDNS_VERSION: &str = "v1.15.0";
 
 const ETCD_MAIN: &str = "go.etcd.io/etcd/server/v3";
-const COREDNS_MAIN: &str = "github.com/coredns/coredns";
+const COREDNS_MODULE: &str = "github.com/coredns/coredns";
+/// CoreDNS's own `coredns.go` with the plugins of the standard Corefile (kubeadm's and the
+/// addon manifest's) and a few light ones often added to it, instead of all 60
+/// (`core/plugin`): the cloud back-ends (Route 53, Azure, Cloud DNS), etcd, dnstap, gRPC, QUIC,
+/// tracing and DNSSEC signing took most of the compile time, and no test here configures them.
+/// The plugins' order is CoreDNS's own (`dnsserver.Directives`), whichever are linked.
+const COREDNS_MAIN_GO: &str = r#"package main
+
+import (
+	"github.com/coredns/coredns/coremain"
+
+	// The standard Corefile.
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/forward"
+	_ "github.com/coredns/coredns/plugin/health"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/loadbalance"
+	_ "github.com/coredns/coredns/plugin/loop"
+	_ "github.com/coredns/coredns/plugin/metrics"
+	_ "github.com/coredns/coredns/plugin/ready"
+	_ "github.com/coredns/coredns/plugin/reload"
+
+	// Light and common additions.
+	_ "github.com/coredns/coredns/plugin/autopath"
+	_ "github.com/coredns/coredns/plugin/bind"
+	_ "github.com/coredns/coredns/plugin/debug"
+	_ "github.com/coredns/coredns/plugin/hosts"
+	_ "github.com/coredns/coredns/plugin/k8s_external"
+	_ "github.com/coredns/coredns/plugin/log"
+	_ "github.com/coredns/coredns/plugin/rewrite"
+	_ "github.com/coredns/coredns/plugin/template"
+	_ "github.com/coredns/coredns/plugin/whoami"
+)
+
+func main() {
+	coremain.Run()
+}
+"#;
 /// Build tags of the upstream release build (hack/lib/golang.sh).
 const KUBERNETES_TAGS: &str = "selinux,notest,grpcnotrace";
 
@@ -62,7 +101,7 @@ const PEERS: &[Peer] = &[
     Peer { name: "kube-controller-manager", source: Source::Kubernetes, package: "k8s.io/kubernetes/cmd/kube-controller-manager", version_args: &["--version"], expected_version: KUBERNETES_VERSION },
     Peer { name: "kube-scheduler", source: Source::Kubernetes, package: "k8s.io/kubernetes/cmd/kube-scheduler", version_args: &["--version"], expected_version: KUBERNETES_VERSION },
     Peer { name: "kubectl", source: Source::Kubernetes, package: "k8s.io/kubernetes/cmd/kubectl", version_args: &["version", "--client"], expected_version: KUBERNETES_VERSION },
-    Peer { name: "coredns", source: Source::CoreDns, package: COREDNS_MAIN, version_args: &["-version"], expected_version: "CoreDNS-1.15.0" },
+    Peer { name: "coredns", source: Source::CoreDns, package: COREDNS_MODULE, version_args: &["-version"], expected_version: "CoreDNS-1.15.0" },
 ];
 
 /// Where a build puts its binaries before they are renamed into the cache.
@@ -123,8 +162,10 @@ pub fn run() -> anyhow::Result<PathBuf> {
         let source_started = Instant::now();
         match source {
             Source::Kubernetes => build_kubernetes(&go, &dir.join("src/kubernetes"), &partial, &packages)?,
-            Source::Etcd => build_etcd(&go, &dir.join("src/etcd"), &partial)?,
-            Source::CoreDns => build_coredns(&go, &dir.join("src/coredns"), &partial)?,
+            Source::Etcd => build_wrapped(&go, &dir.join("src/etcd"), &partial, ETCD_MAIN, ETCD_VERSION, None, "etcd")?,
+            Source::CoreDns => {
+                build_wrapped(&go, &dir.join("src/coredns"), &partial, COREDNS_MODULE, COREDNS_VERSION, Some(COREDNS_MAIN_GO), "coredns")?
+            }
         }
         eprintln!("{source:?}: {} built in {}", packages.join(" "), minutes(source_started));
     }
@@ -257,32 +298,31 @@ fn build_kubernetes(go_bin: &Path, src: &Path, out: &Path, packages: &[&str]) ->
         .args(packages))
 }
 
-fn build_etcd(go_bin: &Path, src: &Path, out: &Path) -> anyhow::Result<()> {
-    wrapper_module(go_bin, src, "ebpf-proxy/peers/etcd")?;
-    crate::run(go(go_bin, src).args([
-        "mod".to_owned(),
-        "edit".to_owned(),
-        format!("-require={ETCD_MAIN}@{ETCD_VERSION}"),
-        format!("-tool={ETCD_MAIN}"),
-    ]))?;
-    step("resolving the etcd wrapper module (go mod tidy)");
+/// Builds `binary` from `module@version` through a wrapper module that merely requires it: its
+/// main package `module` itself, or, with `main_go`, the wrapper's own main package.
+fn build_wrapped(go_bin: &Path, src: &Path, out: &Path, module: &str, version: &str, main_go: Option<&str>, binary: &str) -> anyhow::Result<()> {
+    wrapper_module(go_bin, src, &format!("ebpf-proxy/peers/{binary}"))?;
+    let mut edit = go(go_bin, src);
+    edit.args(["mod", "edit", &format!("-require={module}@{version}")]);
+    let main_file = src.join("main.go");
+    let package = match main_go {
+        Some(text) => {
+            fs::write(&main_file, text).with_context(|| format!("writing {}", main_file.display()))?;
+            "."
+        }
+        None => {
+            if main_file.exists() {
+                fs::remove_file(&main_file).with_context(|| format!("removing {}", main_file.display()))?;
+            }
+            edit.arg(format!("-tool={module}"));
+            module
+        }
+    };
+    crate::run(&mut edit)?;
+    step(&format!("resolving the {binary} wrapper module (go mod tidy)"));
     crate::run(go(go_bin, src).args(["mod", "tidy"]))?;
-    step(&format!("compiling etcd {ETCD_VERSION}"));
-    crate::run(go(go_bin, src).args(["build", "-trimpath", "-o"]).arg(out.join("etcd")).arg(ETCD_MAIN))
-}
-
-fn build_coredns(go_bin: &Path, src: &Path, out: &Path) -> anyhow::Result<()> {
-    wrapper_module(go_bin, src, "ebpf-proxy/peers/coredns")?;
-    crate::run(go(go_bin, src).args([
-        "mod".to_owned(),
-        "edit".to_owned(),
-        format!("-require={COREDNS_MAIN}@{COREDNS_VERSION}"),
-        format!("-tool={COREDNS_MAIN}"),
-    ]))?;
-    step("resolving the CoreDNS wrapper module (go mod tidy)");
-    crate::run(go(go_bin, src).args(["mod", "tidy"]))?;
-    step(&format!("compiling CoreDNS {COREDNS_VERSION}"));
-    crate::run(go(go_bin, src).args(["build", "-trimpath", "-o"]).arg(out.join("coredns")).arg(COREDNS_MAIN))
+    step(&format!("compiling {binary} {version}"));
+    crate::run(go(go_bin, src).args(["build", "-trimpath", "-o"]).arg(out.join(binary)).arg(package))
 }
 
 /// `go build -o DIR/` writes one binary per package into DIR only with the trailing slash.
