@@ -11,6 +11,7 @@
 //!   in a pod of a topology, reachable from the host's loopback, with blocking apply/delete.
 //! - [`node`]: a real single-node Kubernetes on that control plane: kube-controller-manager,
 //!   kube-scheduler, kubelet on containerd/runc/CNI, locally built images, CoreDNS as kube-dns.
+//! - [`debian_image`]: the `debian:<suite>` base image made with debootstrap, under its official name.
 //! - [`dns`]: a minimal DNS client and resolv.conf reader (`epx-probe dns` in pods).
 //! - [`kube_proxy`]: the real upstream kube-proxy (iptables or nftables mode) in a node namespace.
 //! - [`forward`]: a TCP forwarder from the host's loopback into a namespace, which can black-hole.
@@ -25,6 +26,7 @@
 pub mod agent;
 pub mod bpf_test_run;
 pub mod control_plane;
+pub mod debian_image;
 pub mod dns;
 pub mod flood;
 pub mod forward;

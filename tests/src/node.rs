@@ -81,6 +81,8 @@ const PRIVATE_HOST_DIRS: &[(&str, &str)] = &[
     // buildah (containers/image) keeps its blob-info cache there when run as root, whatever its
     // `--root`.
     ("/var/lib/containers", "var-lib-containers"),
+    // buildah's lock for short-name aliases (`FROM debian:bookworm`).
+    ("/var/cache/containers", "var-cache-containers"),
     ("/run/netns", "run-netns"),
     ("/var/lib/cni", "var-lib-cni"),
     ("/var/log/pods", "var-log-pods"),
@@ -490,10 +492,42 @@ imageGCLowThresholdPercent: 99
         Ok(())
     }
 
+    /// `buildah` on the node's image storage (`<dir>/buildah`, vfs), in containerd's mount
+    /// namespace, so that what it writes to fixed host paths (its blob-info cache in
+    /// /var/lib/containers, a lock in /var/cache/containers) lands in the node's directory; its
+    /// stdout on success.
+    pub fn buildah(&self, topology: &Topology, args: &[&str]) -> anyhow::Result<String> {
+        let storage = self.path("buildah");
+        fs::create_dir_all(storage.join("tmp")).with_context(|| format!("creating {}", storage.join("tmp").display()))?;
+        let mut cmd = Command::new("buildah");
+        self.enter_node(&mut cmd, &topology.node.path(), Some(self.pid_of("containerd")?))?;
+        cmd.args(["--storage-driver", "vfs", "--root"])
+            .arg(storage.join("root"))
+            .arg("--runroot")
+            .arg(storage.join("run"))
+            .args(args)
+            .env("TMPDIR", storage.join("tmp"));
+        let out = run(&mut cmd)?;
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    /// Puts the `debian:<suite>` base image ([`crate::debian_image`]) into the node's buildah
+    /// storage under the official names, so that a Containerfile `FROM debian:<suite>` (or
+    /// `-slim`) builds here unchanged with `--pull=never`. Returns those names.
+    pub fn import_debian_base(&self, topology: &Topology, suite: &str) -> anyhow::Result<[String; 2]> {
+        let tar = crate::debian_image::rootfs_tar(suite)?;
+        let names = crate::debian_image::image_names(suite);
+        let container = self.buildah(topology, &["from", "scratch"])?;
+        // ADD of a local tar unpacks it.
+        self.buildah(topology, &["add", &container, &tar.display().to_string(), "/"])?;
+        self.buildah(topology, &["config", "--cmd", "[\"bash\"]", &container])?;
+        self.buildah(topology, &["commit", "--rm", &container, &names[0]])?;
+        self.buildah(topology, &["tag", &names[0], &names[1]])?;
+        Ok(names)
+    }
+
     /// Images from scratch with buildah (no registry is reachable): the binaries and the shared
     /// libraries `ldd` names, committed, written as OCI archives and imported into containerd.
-    /// buildah runs in containerd's mount namespace, so that what it writes to fixed host paths
-    /// lands in the node's directory.
     fn build_and_import_images(&mut self, topology: &Topology, peers: &Path) -> anyhow::Result<Images> {
         let images = Images { pause: image_ref("pause"), probe: image_ref("probe"), coredns: coredns_ref() };
         let builds: [(&str, PathBuf, &str); 3] = [
@@ -502,20 +536,7 @@ imageGCLowThresholdPercent: 99
             (&images.coredns, peers.join("coredns"), "/coredns"),
         ];
         let storage = self.path("buildah");
-        let containerd = self.pid_of("containerd")?;
-        let buildah = |args: &[&str]| -> anyhow::Result<String> {
-            let mut cmd = Command::new("buildah");
-            self.enter_node(&mut cmd, &topology.node.path(), Some(containerd))?;
-            cmd.args(["--storage-driver", "vfs", "--root"])
-                .arg(storage.join("root"))
-                .arg("--runroot")
-                .arg(storage.join("run"))
-                .args(args)
-                .env("TMPDIR", storage.join("tmp"));
-            let out = run(&mut cmd)?;
-            Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
-        };
-        fs::create_dir_all(storage.join("tmp"))?;
+        let buildah = |args: &[&str]| self.buildah(topology, args);
         for (reference, binary, entrypoint) in builds {
             let container = buildah(&["from", "scratch"])?;
             let mut files = vec![(binary.clone(), PathBuf::from(entrypoint))];

@@ -63,3 +63,37 @@ fn a_real_node_runs_pods_with_coredns_and_answers_kubectl_logs_and_exec() {
     assert_eq!(e2e::node::host_footprint().expect("host footprint"), host_before, "the node left the host changed");
     eprintln!("whole test {:.1?}", started.elapsed());
 }
+
+/// deploy/Containerfile starts `FROM debian:bookworm`, which cannot be pulled here: the node's
+/// buildah gets the debootstrap-made base under that very name, and a Containerfile naming it
+/// builds with `--pull=never`, running Debian's own apt-get inside with the release's sources.
+#[test]
+fn a_containerfile_from_debian_builds_on_the_node_without_a_registry() {
+    let host_before = e2e::node::host_footprint().expect("host footprint");
+    let mut topology = Topology::new().expect("topology");
+    let cp = ControlPlane::start_with(&mut topology, e2e::node::APISERVER_ARGS).expect("control plane");
+    let node = Node::start(&topology, &cp).expect("node");
+    let check = || -> anyhow::Result<()> {
+        let started = Instant::now();
+        let names = node.import_debian_base(&topology, e2e::debian_image::SUITE)?;
+        eprintln!("{} and {} imported in {:.1?}", names[0], names[1], started.elapsed());
+        let context = node.dir.join("containerfile-check");
+        std::fs::create_dir_all(&context)?;
+        std::fs::write(
+            context.join("Containerfile"),
+            "FROM debian:bookworm-slim\n\
+             RUN . /etc/os-release && test \"$VERSION_CODENAME\" = bookworm\n\
+             RUN grep -qx 'Suites: bookworm-security' /etc/apt/sources.list.d/debian.sources && apt-get --version\n",
+        )?;
+        let context = context.display().to_string();
+        node.buildah(&topology, &["bud", "--pull=never", "--isolation=chroot", "-t", "localhost/epx-check/debian:0.1.0", &context])?;
+        let images = node.buildah(&topology, &["images", "--format", "{{.Name}}:{{.Tag}}"])?;
+        anyhow::ensure!(images.lines().any(|line| line == "localhost/epx-check/debian:0.1.0"), "images: {images}");
+        Ok(())
+    };
+    if let Err(e) = check() {
+        panic!("{e:#}\n{}", node.logs());
+    }
+    drop(node);
+    assert_eq!(e2e::node::host_footprint().expect("host footprint"), host_before, "the node left the host changed");
+}

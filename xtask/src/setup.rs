@@ -39,9 +39,9 @@ const PACKAGES: &[&str] = &[
 const VM_PACKAGES: &[&str] = &["qemu-system-x86", "kmod"];
 
 /// Debian packages for `cargo xtask cluster up --node`: the container runtime and its pieces
-/// (containerd 1.6, runc, the CNI plugins in /usr/lib/cni) and buildah, which builds the node's
-/// images locally since no registry is reachable.
-const NODE_PACKAGES: &[&str] = &["containerd", "runc", "containernetworking-plugins", "buildah"];
+/// (containerd 1.6, runc, the CNI plugins in /usr/lib/cni), buildah, which builds the node's
+/// images locally since no registry is reachable, and debootstrap, which makes their Debian base.
+const NODE_PACKAGES: &[&str] = &["containerd", "runc", "containernetworking-plugins", "buildah", "debootstrap"];
 
 const BPF_LINKER_VERSION: &str = "0.13";
 
