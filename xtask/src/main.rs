@@ -138,7 +138,7 @@ pub fn upgrade_object() -> PathBuf {
 }
 
 fn build() -> anyhow::Result<()> {
-    setup::ensure()?;
+    setup::ensure_build_tools()?;
     let root = workspace_root();
     step("building the eBPF programs (Debian rustc-web, build-std=core, bpfel-unknown-none)");
     let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
@@ -175,6 +175,7 @@ fn build() -> anyhow::Result<()> {
 
 fn test(args: &[String]) -> anyhow::Result<()> {
     build()?;
+    setup::ensure_runtime()?;
     // tests/tests/real_node.rs runs a kubelet on Debian's containerd, images built with buildah.
     setup::ensure_node_tools()?;
     // The control-plane tests run the real kube-apiserver and etcd from here, the real-node test
@@ -315,6 +316,7 @@ fn main() -> anyhow::Result<()> {
         Task::Test { args } => test(&args),
         Task::Demo => {
             build()?;
+            setup::ensure_runtime()?;
             setup::sweep_leftovers();
             demo::run()
         }
@@ -322,6 +324,7 @@ fn main() -> anyhow::Result<()> {
             if node {
                 // epx-probe and epx-pause go into the node's images.
                 build()?;
+                setup::ensure_runtime()?;
                 setup::ensure_node_tools()?;
             } else {
                 setup::ensure()?;
@@ -334,6 +337,7 @@ fn main() -> anyhow::Result<()> {
                 return bench::redraw(&dir);
             }
             build()?;
+            setup::ensure_runtime()?;
             let peers = peers::run()?;
             // SAFETY: set before any other thread exists; the harness reads it to find the peers.
             unsafe { std::env::set_var("EPX_PEERS_DIR", &peers) };

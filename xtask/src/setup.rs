@@ -76,9 +76,12 @@ fn mounted(fs_type: &str) -> bool {
 
 /// Makes the machine ready, installing only what is missing.
 pub fn ensure() -> anyhow::Result<()> {
-    if !is_root() {
-        bail!("run as root: installing packages, loading eBPF programs and creating namespaces need it");
-    }
+    ensure_build_tools()?;
+    ensure_runtime()
+}
+
+/// What running the programs and tests needs on top of building them: cgroup v2 and bpffs.
+pub fn ensure_runtime() -> anyhow::Result<()> {
     if !mounted("cgroup2") {
         bail!("no cgroup v2 filesystem is mounted (/proc/mounts has no cgroup2 line); the socket-level datapath needs one");
     }
@@ -87,7 +90,15 @@ pub fn ensure() -> anyhow::Result<()> {
         run(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]))
             .context("bpffs is not mounted and could not be mounted at /sys/fs/bpf")?;
     }
+    Ok(())
+}
 
+/// What `cargo xtask build` needs, and nothing it would not: deploy/Containerfile runs it in an
+/// image build, where bpffs cannot be mounted and no cgroup v2 need be.
+pub fn ensure_build_tools() -> anyhow::Result<()> {
+    if !is_root() {
+        bail!("run as root: installing packages, loading eBPF programs and creating namespaces need it");
+    }
     install_missing(PACKAGES)?;
     for tool in [DEBIAN_CARGO, DEBIAN_RUSTC] {
         if !Path::new(tool).exists() {
