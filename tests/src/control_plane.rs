@@ -140,6 +140,10 @@ impl ControlPlane {
             .arg(format!("--tls-cert-file={}", path("serving.crt")))
             .arg(format!("--tls-private-key-file={}", path("serving.key")))
             .arg(format!("--token-auth-file={}", path("tokens.csv")))
+            // How it authenticates to kubelets (logs, exec): a client certificate of the test CA
+            // in group system:masters, which a kubelet trusting that CA authorizes.
+            .arg(format!("--kubelet-client-certificate={}", path("kubelet-client.crt")))
+            .arg(format!("--kubelet-client-key={}", path("kubelet-client.key")))
             .arg("--authorization-mode=RBAC")
             .arg("--service-account-issuer=https://kubernetes.default.svc.cluster.local")
             .arg(format!("--service-account-key-file={}", path("sa.key")))
@@ -537,10 +541,17 @@ extendedKeyUsage = serverAuth
 subjectKeyIdentifier = hash
 authorityKeyIdentifier = keyid
 subjectAltName = IP:127.0.0.1,IP:10.244.1.250,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
+[client]
+basicConstraints = critical,CA:FALSE
+keyUsage = critical,digitalSignature,keyEncipherment
+extendedKeyUsage = clientAuth
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
 ";
 
-/// A CA, a serving certificate it signed (`serving.crt`/`.key`) and the ServiceAccount signing
-/// key (`sa.key`), with openssl. Returns the CA certificate's path.
+/// A CA, a serving certificate it signed (`serving.crt`/`.key`), the ServiceAccount signing
+/// key (`sa.key`) and the apiserver's client certificate for kubelets (`kubelet-client.crt`/`.key`),
+/// with openssl. Returns the CA certificate's path.
 fn make_certificates(dir: &Path) -> anyhow::Result<PathBuf> {
     let config = dir.join("openssl.cnf");
     fs::write(&config, OPENSSL_CONFIG)?;
@@ -557,6 +568,10 @@ fn make_certificates(dir: &Path) -> anyhow::Result<PathBuf> {
     ok(openssl().args(["x509", "-req", "-in", "serving.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-set_serial", "2"])
         .args(["-days", "2", "-out", "serving.crt", "-extfile", "openssl.cnf", "-extensions", "serving"]))?;
     ok(openssl().args(["genrsa", "-out", "sa.key", "2048"]))?;
+    ok(openssl().args(["req", "-new", "-newkey", "rsa:2048", "-nodes", "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client"])
+        .args(["-keyout", "kubelet-client.key", "-out", "kubelet-client.csr", "-config", "openssl.cnf"]))?;
+    ok(openssl().args(["x509", "-req", "-in", "kubelet-client.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-set_serial", "3"])
+        .args(["-days", "2", "-out", "kubelet-client.crt", "-extfile", "openssl.cnf", "-extensions", "client"]))?;
     Ok(dir.join("ca.crt"))
 }
 

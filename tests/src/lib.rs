@@ -9,6 +9,10 @@
 //! - [`scenario`]: a client, two backends behind a Service, and the agent, ready to use.
 //! - [`control_plane`]: real etcd + kube-apiserver (from `cargo xtask peers`, `$EPX_PEERS_DIR`)
 //!   in a pod of a topology, reachable from the host's loopback, with blocking apply/delete.
+//! - [`node`]: a real single-node Kubernetes on that control plane: kube-controller-manager,
+//!   kube-scheduler, kubelet on containerd/runc/CNI, locally built images, CoreDNS as kube-dns.
+//! - [`debian_image`]: the `debian:<suite>` base image made with debootstrap, under its official name.
+//! - [`dns`]: a minimal DNS client and resolv.conf reader (`epx-probe dns` in pods).
 //! - [`kube_proxy`]: the real upstream kube-proxy (iptables or nftables mode) in a node namespace.
 //! - [`forward`]: a TCP forwarder from the host's loopback into a namespace, which can black-hole.
 //! - [`packet`]: hand-built Ethernet/IPv4/TCP/UDP frames and a checksum-verifying reader.
@@ -22,11 +26,14 @@
 pub mod agent;
 pub mod bpf_test_run;
 pub mod control_plane;
+pub mod debian_image;
+pub mod dns;
 pub mod flood;
 pub mod forward;
 pub mod kube_proxy;
 pub mod probe;
 pub mod kube_scenario;
+pub mod node;
 pub mod packet;
 pub mod packet6;
 pub mod scenario;
@@ -73,4 +80,27 @@ pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
     assert!(euid == 0, "end-to-end tests need root (namespaces, cgroups, bpffs): run `sudo cargo xtask test`");
+}
+
+/// The shared libraries and dynamic loader `binary` needs, as `ldd` resolves them on this host
+/// (none for a static binary): what an image or a VM's root file system must hold besides it.
+pub fn shared_libraries(binary: &std::path::Path) -> anyhow::Result<Vec<PathBuf>> {
+    use anyhow::Context;
+    let output = std::process::Command::new("ldd").arg(binary).output().context("running ldd")?;
+    if !output.status.success() {
+        // A static binary: ldd says "not a dynamic executable" and fails.
+        return Ok(Vec::new());
+    }
+    let mut libraries = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines().map(str::trim) {
+        let path = match line.split_once("=> ") {
+            Some((name, _)) if line.contains("not found") => anyhow::bail!("{}: {name} not found by ldd", binary.display()),
+            Some((_, rest)) => rest.split(" (").next().unwrap_or(""),
+            None => line.split(" (").next().unwrap_or(""),
+        };
+        if path.starts_with('/') {
+            libraries.push(PathBuf::from(path));
+        }
+    }
+    Ok(libraries)
 }

@@ -39,7 +39,9 @@ enum Task {
     },
     /// Pods as network namespaces, the agent on a Service manifest, traffic shown flowing.
     Demo,
-    /// Build kube-apiserver, kube-proxy and etcd from their Go modules into the cache.
+    /// Build the upstream peers from their Go modules into the cache (only those missing):
+    /// kube-apiserver, kube-proxy, kubelet, kube-controller-manager, kube-scheduler, kubectl,
+    /// etcd and CoreDNS.
     Peers,
     /// The end-to-end tests that need no API server, on another kernel in a QEMU VM (TCG).
     VmTest {
@@ -83,7 +85,9 @@ enum Task {
         #[arg(long, default_value_t = 600)]
         cold_start_limit: u64,
     },
-    /// A local control plane (etcd + kube-apiserver) in a network namespace, with a kubeconfig.
+    /// A local control plane (etcd + kube-apiserver) in a network namespace, with a kubeconfig;
+    /// `up --node` adds a real node: kube-controller-manager, kube-scheduler, kubelet on
+    /// containerd, CoreDNS. No kube-proxy: Services need the agent.
     Cluster {
         #[command(subcommand)]
         action: ClusterAction,
@@ -93,8 +97,16 @@ enum Task {
 #[derive(Subcommand)]
 enum ClusterAction {
     /// Start it and keep it running until Ctrl-C; prints the kubeconfig path.
-    Up,
-    /// Remove what an interrupted `up` (or test run) left behind.
+    Up {
+        /// Also a real single-node Kubernetes without kube-proxy, in namespaces and temporary
+        /// directories of its own: kube-controller-manager, kube-scheduler, kubelet on Debian's
+        /// containerd/runc/CNI plugins, locally built images (pause, epx-probe, CoreDNS) and
+        /// CoreDNS as Service kube-system/kube-dns (10.96.0.10). Builds the missing peers first.
+        #[arg(long)]
+        node: bool,
+    },
+    /// Remove what an interrupted `up` (or test run) left behind: processes, namespaces,
+    /// cgroups, temporary directories, pins; restores the kernel settings kubelet changed.
     Down,
 }
 
@@ -126,7 +138,7 @@ pub fn upgrade_object() -> PathBuf {
 }
 
 fn build() -> anyhow::Result<()> {
-    setup::ensure()?;
+    setup::ensure_build_tools()?;
     let root = workspace_root();
     step("building the eBPF programs (Debian rustc-web, build-std=core, bpfel-unknown-none)");
     let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
@@ -163,7 +175,11 @@ fn build() -> anyhow::Result<()> {
 
 fn test(args: &[String]) -> anyhow::Result<()> {
     build()?;
-    // The control-plane tests run the real kube-apiserver and etcd from here.
+    setup::ensure_runtime()?;
+    // tests/tests/real_node.rs runs a kubelet on Debian's containerd, images built with buildah.
+    setup::ensure_node_tools()?;
+    // The control-plane tests run the real kube-apiserver and etcd from here, the real-node test
+    // also kubelet, kube-controller-manager, kube-scheduler, kubectl and CoreDNS.
     let peers = peers::run()?;
     setup::sweep_leftovers();
     step("running all tests (unit tests, then end-to-end tests in network namespaces)");
@@ -300,12 +316,20 @@ fn main() -> anyhow::Result<()> {
         Task::Test { args } => test(&args),
         Task::Demo => {
             build()?;
+            setup::ensure_runtime()?;
             setup::sweep_leftovers();
             demo::run()
         }
-        Task::Cluster { action: ClusterAction::Up } => {
-            setup::ensure()?;
-            cluster::up()
+        Task::Cluster { action: ClusterAction::Up { node } } => {
+            if node {
+                // epx-probe and epx-pause go into the node's images.
+                build()?;
+                setup::ensure_runtime()?;
+                setup::ensure_node_tools()?;
+            } else {
+                setup::ensure()?;
+            }
+            cluster::up(node)
         }
         Task::Cluster { action: ClusterAction::Down } => cluster::down(),
         Task::Bench { quick, max_services, window, rounds, out, redraw, cold_start_limit } => {
@@ -313,6 +337,7 @@ fn main() -> anyhow::Result<()> {
                 return bench::redraw(&dir);
             }
             build()?;
+            setup::ensure_runtime()?;
             let peers = peers::run()?;
             // SAFETY: set before any other thread exists; the harness reads it to find the peers.
             unsafe { std::env::set_var("EPX_PEERS_DIR", &peers) };

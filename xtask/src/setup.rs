@@ -38,6 +38,11 @@ const PACKAGES: &[&str] = &[
 /// never installed.
 const VM_PACKAGES: &[&str] = &["qemu-system-x86", "kmod"];
 
+/// Debian packages for `cargo xtask cluster up --node`: the container runtime and its pieces
+/// (containerd 1.6, runc, the CNI plugins in /usr/lib/cni), buildah, which builds the node's
+/// images locally since no registry is reachable, and debootstrap, which makes their Debian base.
+const NODE_PACKAGES: &[&str] = &["containerd", "runc", "containernetworking-plugins", "buildah", "debootstrap"];
+
 const BPF_LINKER_VERSION: &str = "0.13";
 
 fn is_root() -> bool {
@@ -71,9 +76,12 @@ fn mounted(fs_type: &str) -> bool {
 
 /// Makes the machine ready, installing only what is missing.
 pub fn ensure() -> anyhow::Result<()> {
-    if !is_root() {
-        bail!("run as root: installing packages, loading eBPF programs and creating namespaces need it");
-    }
+    ensure_build_tools()?;
+    ensure_runtime()
+}
+
+/// What running the programs and tests needs on top of building them: cgroup v2 and bpffs.
+pub fn ensure_runtime() -> anyhow::Result<()> {
     if !mounted("cgroup2") {
         bail!("no cgroup v2 filesystem is mounted (/proc/mounts has no cgroup2 line); the socket-level datapath needs one");
     }
@@ -82,7 +90,15 @@ pub fn ensure() -> anyhow::Result<()> {
         run(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]))
             .context("bpffs is not mounted and could not be mounted at /sys/fs/bpf")?;
     }
+    Ok(())
+}
 
+/// What `cargo xtask build` needs, and nothing it would not: deploy/Containerfile runs it in an
+/// image build, where bpffs cannot be mounted and no cgroup v2 need be.
+pub fn ensure_build_tools() -> anyhow::Result<()> {
+    if !is_root() {
+        bail!("run as root: installing packages, loading eBPF programs and creating namespaces need it");
+    }
     install_missing(PACKAGES)?;
     for tool in [DEBIAN_CARGO, DEBIAN_RUSTC] {
         if !Path::new(tool).exists() {
@@ -122,10 +138,19 @@ pub fn ensure_vm_tools() -> anyhow::Result<()> {
     install_missing(VM_PACKAGES)
 }
 
+/// What `cargo xtask cluster up --node` needs beyond `ensure`. Idempotent. The Debian package
+/// starts no containerd here (no systemd); the node runs its own with its own config and socket.
+pub fn ensure_node_tools() -> anyhow::Result<()> {
+    install_missing(NODE_PACKAGES)
+}
+
 /// Removes namespaces, cgroups and bpffs directories left by an earlier test run that was killed
 /// before its guards ran. Only names with the tests' prefix are touched.
 pub fn sweep_leftovers() {
     let prefix = format!("{}-", e2e::PREFIX);
+    // Nodes first: their pods, containerd and kubelet die, the kernel settings kubelet changed
+    // are restored, before their namespaces and directories go below.
+    e2e::node::sweep();
     if let Ok(entries) = std::fs::read_dir("/run/netns") {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();

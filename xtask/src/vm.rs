@@ -202,28 +202,6 @@ fn module_files(modules: &Path, wanted: &[&str]) -> anyhow::Result<Vec<String>> 
     Ok(order)
 }
 
-/// The shared libraries and dynamic loader `binary` needs, as `ldd` resolves them on this host.
-fn shared_libraries(binary: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let output = Command::new("ldd").arg(binary).output().context("running ldd")?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    if !output.status.success() {
-        // A static binary: ldd says "not a dynamic executable" and fails.
-        return Ok(Vec::new());
-    }
-    let mut libraries = Vec::new();
-    for line in text.lines().map(str::trim) {
-        let path = match line.split_once("=> ") {
-            Some((name, _)) if line.contains("not found") => bail!("{}: {name} not found by ldd", binary.display()),
-            Some((_, rest)) => rest.split(" (").next().unwrap_or(""),
-            None => line.split(" (").next().unwrap_or(""),
-        };
-        if path.starts_with('/') {
-            libraries.push(PathBuf::from(path));
-        }
-    }
-    Ok(libraries)
-}
-
 enum Entry {
     Dir,
     File { data: Vec<u8>, mode: u32 },
@@ -262,7 +240,7 @@ impl Initramfs {
     /// An executable and, at their host paths, the libraries it loads.
     fn binary(&mut self, dest: &str, source: &Path) -> anyhow::Result<()> {
         self.copy(dest, source)?;
-        for library in shared_libraries(source)? {
+        for library in e2e::shared_libraries(source)? {
             let key = library.to_string_lossy().trim_start_matches('/').to_owned();
             if !self.entries.contains_key(&key) {
                 self.copy(&key, &library)?;

@@ -10,6 +10,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
+use anyhow::Context;
+use e2e::dns::ResolvConf;
 use e2e::probe::{Load, Rate, Steady, Summary};
 use hdrhistogram::Histogram;
 
@@ -38,6 +40,17 @@ enum Cmd {
     },
     /// Make COUNT TCP connections to ADDR, one after another; read the server's name from each.
     Tcp(ClientArgs),
+    /// Resolve NAME to IPv4 addresses as a pod's libc does: the search domains and `ndots` of
+    /// /etc/resolv.conf, its first nameserver unless SERVER is given. Prints
+    /// `{"name": FQDN, "addresses": [...]}` of the first name that has addresses; exits 1 if none.
+    Dns {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        server: Option<SocketAddr>,
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+    },
     /// Send COUNT UDP requests to ADDR, each from a new socket; read the name from each reply.
     Udp(ClientArgs),
     /// Steady traffic for a while: short TCP connections and UDP requests at a fixed rate, plus
@@ -672,6 +685,24 @@ fn steady(tcp: SocketAddr, udp: SocketAddr, rate: u32, streams: u32, duration: D
     }
 }
 
+/// `epx-probe dns`: see the subcommand's help.
+fn dns(name: &str, server: Option<SocketAddr>, timeout: Duration) -> anyhow::Result<(String, Vec<std::net::Ipv4Addr>)> {
+    let conf = ResolvConf::parse(&std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default());
+    let server = match server {
+        Some(server) => server,
+        None => SocketAddr::from((*conf.nameservers.first().context("no nameserver in /etc/resolv.conf")?, 53)),
+    };
+    let mut failures = Vec::new();
+    for candidate in conf.candidates(name) {
+        match e2e::dns::resolve(server, &candidate, timeout) {
+            Ok(addresses) if !addresses.is_empty() => return Ok((candidate, addresses)),
+            Ok(_) => failures.push(format!("{candidate}: no A record")),
+            Err(e) => failures.push(format!("{candidate}: {:#}", anyhow::Error::from(e))),
+        }
+    }
+    anyhow::bail!("{name} not resolved through {server}: {}", failures.join("; "))
+}
+
 fn main() {
     let cli = Cli::parse();
     if let Cmd::Steady { tcp, udp, rate, streams, duration_ms } = cli.command {
@@ -710,13 +741,25 @@ fn main() {
         }
         return;
     }
+    if let Cmd::Dns { name, server, timeout_ms } = &cli.command {
+        match dns(name, *server, Duration::from_millis(*timeout_ms)) {
+            Ok((name, addresses)) => println!("{}", serde_json::json!({ "name": name, "addresses": addresses })),
+            Err(e) => {
+                eprintln!("epx-probe dns: {e:#}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     if let Cmd::UdpConnected { to, interval_ms, duration_ms } = cli.command {
         let result = udp_connected(to, Duration::from_millis(interval_ms), Duration::from_millis(duration_ms));
         println!("{}", serde_json::to_string(&result).expect("serialisable"));
         return;
     }
     let summary = match cli.command {
-        Cmd::Steady { .. } | Cmd::UdpConnected { .. } | Cmd::Load { .. } | Cmd::Rate { .. } | Cmd::Wait { .. } | Cmd::LastAnswer { .. } => unreachable!("handled above"),
+        Cmd::Steady { .. } | Cmd::UdpConnected { .. } | Cmd::Load { .. } | Cmd::Rate { .. } | Cmd::Wait { .. } | Cmd::LastAnswer { .. } | Cmd::Dns { .. } => {
+            unreachable!("handled above")
+        }
         Cmd::Serve { name, tcp, udp, tcp_peer, http } => serve(name, tcp, udp, tcp_peer, http),
         Cmd::Tcp(a) => run_requests(a.count, || tcp_once_from(a.source_port, a.reset, a.to, Duration::from_millis(a.timeout_ms))),
         Cmd::Udp(a) => {
