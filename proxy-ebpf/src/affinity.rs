@@ -8,7 +8,7 @@ use crate::maps::{count, AFFINITY4, BACKENDS4, BACKENDS6};
 
 /// The client's affinity entry for a frontend, when the frontend has affinity on.
 #[inline(always)]
-pub fn key(frontend: &ServiceValue4, client: impl FnOnce() -> u64, kind: u8) -> Option<AffinityKey4> {
+pub fn key(frontend: &ServiceValue4, client: impl FnOnce() -> [u32; 4], kind: u8) -> Option<AffinityKey4> {
     // `client` runs only for a frontend with affinity (a helper call saved on every other
     // connection).
     (frontend.flags & svc_flags::AFFINITY != 0).then(|| AffinityKey4 {
@@ -55,7 +55,7 @@ fn remembered_id(key: &AffinityKey4, frontend: &ServiceValue4) -> Option<u32> {
 #[inline(always)]
 pub fn remember(key: &AffinityKey4, backend_id: u32) {
     let value = AffinityValue4 { last_used_ns: unsafe { bpf_ktime_get_ns() }, backend_id, pad: [0; 4] };
-    if AFFINITY4.insert(key, &value, 0).is_err() {
-        count(stat::AFFINITY_RECORD_FAIL);
+    if let Err(rc) = AFFINITY4.insert(key, &value, 0) {
+        crate::failure::map_insert(stat::AFFINITY_RECORD_FAIL, "the session-affinity map", rc);
     }
 }

@@ -17,7 +17,7 @@ use crate::ct::now_ns;
 use crate::maps::{count, FRAG4, FRAG6};
 use crate::packet::{Flow, LaterFragment, RewriteFailed, IP_CSUM_OFF, IP_DADDR_OFF, IP_SADDR_OFF};
 use crate::packet6::{Flow6, IP6_DADDR_OFF, IP6_SADDR_OFF};
-use crate::route;
+use crate::{failure, route};
 
 const PASS: i32 = TC_ACT_OK as i32;
 const DROP: i32 = aya_ebpf::bindings::TC_ACT_SHOT as i32;
@@ -56,8 +56,8 @@ pub fn later(ctx: &TcContext, fragment: &LaterFragment, ingress: bool) -> i32 {
     };
     let rewritten = rewrite_ip(ctx, IP_SADDR_OFF, fragment.saddr_be, value.saddr_be)
         .and_then(|()| rewrite_ip(ctx, IP_DADDR_OFF, fragment.daddr_be, value.daddr_be));
-    if rewritten.is_err() {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(failed) = rewritten {
+        failure::rewrite(ctx, failed);
         return DROP;
     }
     count(stat::TC_FRAGMENT_XLATE);
@@ -66,8 +66,8 @@ pub fn later(ctx: &TcContext, fragment: &LaterFragment, ingress: bool) -> i32 {
     }
     match route::redirect(ctx, fragment.proto, value.saddr_be, value.daddr_be) {
         Ok(verdict) => verdict,
-        Err(route::NoRoute) => {
-            count(stat::TC_FIB_FAIL);
+        Err(failed) => {
+            failure::route(ctx, failed);
             DROP
         }
     }
@@ -79,8 +79,8 @@ fn rewrite_ip(ctx: &TcContext, off: usize, old: u32, new: u32) -> Result<(), Rew
     if old == new {
         return Ok(());
     }
-    ctx.store(off, &new, 0).map_err(|_| RewriteFailed)?;
-    ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(|_| RewriteFailed)
+    ctx.store(off, &new, 0).map_err(RewriteFailed::rc)?;
+    ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(RewriteFailed::rc)
 }
 
 /// [`remember`] for IPv6.
@@ -107,8 +107,8 @@ pub fn later6(ctx: &TcContext, flow: &Flow6, ingress: bool) -> i32 {
         return PASS;
     };
     let value = unsafe { &*value };
-    if ctx.store(IP6_SADDR_OFF, &value.saddr, 0).is_err() || ctx.store(IP6_DADDR_OFF, &value.daddr, 0).is_err() {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(rc) = ctx.store(IP6_SADDR_OFF, &value.saddr, 0).and_then(|()| ctx.store(IP6_DADDR_OFF, &value.daddr, 0)) {
+        failure::rewrite(ctx, RewriteFailed::rc(rc));
         return DROP;
     }
     count(stat::TC_FRAGMENT_XLATE);
@@ -117,8 +117,8 @@ pub fn later6(ctx: &TcContext, flow: &Flow6, ingress: bool) -> i32 {
     }
     match route::redirect6(ctx, flow.proto, &value.saddr, &value.daddr) {
         Ok(verdict) => verdict,
-        Err(route::NoRoute) => {
-            count(stat::TC_FIB_FAIL);
+        Err(failed) => {
+            failure::route(ctx, failed);
             DROP
         }
     }

@@ -5,6 +5,7 @@
 #![no_main]
 
 mod ct;
+mod failure;
 mod frag;
 mod affinity;
 mod maps;

@@ -8,7 +8,7 @@ use aya_ebpf::{
 };
 use proxy_abi::{
     capacity, stat, DatapathConfig, FragKey4, FragKey6, FragValue4, FragValue6, AffinityKey4, AffinityValue4, Backend4, BackendId, Backend6, CtEntry4, CtEntry6, CtKey4, CtKey6, IfAddr6, IfAddr4, MaglevTable4, RevNat4, RevNat6, RevSock6, RevSockKey6, ServiceKey6, RevNatId, RevSock4,
-    RevSockKey4, ServiceKey4, ServiceValue4,
+    RevSockKey4, ServiceKey4, ServiceValue4, SockFlow, SockFlowKey4, SockFlowKey6,
 };
 
 // The `name` strings must equal `proxy_abi::map_name::*`; the agent looks each one up by that
@@ -39,7 +39,7 @@ pub static REV_NAT6: HashMap<RevNatId, RevNat6> = HashMap::pinned(capacity::REV_
 #[map(name = "epx_revsk6_v1")]
 pub static REV_SOCK6: LruHashMap<RevSockKey6, RevSock6> = LruHashMap::pinned(capacity::REV_SOCK6, 0);
 
-#[map(name = "epx_aff4_v1")]
+#[map(name = "epx_aff4_v2")]
 pub static AFFINITY4: LruHashMap<AffinityKey4, AffinityValue4> =
     LruHashMap::pinned(capacity::AFFINITY4, 0);
 
@@ -74,6 +74,13 @@ pub static FRAG4: LruHashMap<FragKey4, FragValue4> = LruHashMap::pinned(capacity
 
 #[map(name = "epx_frag6_v1")]
 pub static FRAG6: LruHashMap<FragKey6, FragValue6> = LruHashMap::pinned(capacity::FRAG6, 0);
+
+/// Unconnected UDP socket and frontend -> the backend its datagrams go to (`sock`).
+#[map(name = "epx_sflow4_v1")]
+pub static SOCK_FLOW4: LruHashMap<SockFlowKey4, SockFlow> = LruHashMap::pinned(capacity::SOCK_FLOW4, 0);
+
+#[map(name = "epx_sflow6_v1")]
+pub static SOCK_FLOW6: LruHashMap<SockFlowKey6, SockFlow> = LruHashMap::pinned(capacity::SOCK_FLOW6, 0);
 
 /// The agent's settings (`DatapathConfig`); all zero means the ABI defaults.
 #[map(name = "epx_cfg_v1")]

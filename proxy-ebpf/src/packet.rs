@@ -290,8 +290,17 @@ pub fn l4_header(ctx: &TcContext, proto: u8, l4_off: usize, ip_end: usize) -> Re
     Ok(Segment { flags, seq, seq_end })
 }
 
-/// A helper call failed; the packet may be partly rewritten and must not be sent on.
-pub struct RewriteFailed;
+/// A helper call failed (its return code); the packet may be partly rewritten and must not be
+/// sent on.
+pub struct RewriteFailed(pub i32);
+
+impl RewriteFailed {
+    /// From a helper's return code (a negative errno).
+    #[inline(always)]
+    pub fn rc(rc: i64) -> Self {
+        Self(rc as i32)
+    }
+}
 
 /// Replaces the IPv4 address at `addr_off` (source or destination) and fixes both checksums (the
 /// L4 checksum covers the address through the pseudo-header).
@@ -300,10 +309,10 @@ pub fn rewrite_addr(ctx: &TcContext, flow: &Flow, addr_off: usize, old: u32, new
     if old == new {
         return Ok(());
     }
-    ctx.store(addr_off, &new, 0).map_err(|_| RewriteFailed)?;
-    ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(|_| RewriteFailed)?;
+    ctx.store(addr_off, &new, 0).map_err(RewriteFailed::rc)?;
+    ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(RewriteFailed::rc)?;
     let flags = flow.l4_csum_flags() | u64::from(BPF_F_PSEUDO_HDR) | 4;
-    ctx.l4_csum_replace(flow.l4_csum_off(), u64::from(old), u64::from(new), flags).map_err(|_| RewriteFailed)
+    ctx.l4_csum_replace(flow.l4_csum_off(), u64::from(old), u64::from(new), flags).map_err(RewriteFailed::rc)
 }
 
 /// Replaces the L4 port at `port_off` and fixes the L4 checksum.
@@ -312,9 +321,9 @@ pub fn rewrite_port(ctx: &TcContext, flow: &Flow, port_off: usize, old: u16, new
     if old == new {
         return Ok(());
     }
-    ctx.store(port_off, &new, 0).map_err(|_| RewriteFailed)?;
+    ctx.store(port_off, &new, 0).map_err(RewriteFailed::rc)?;
     let flags = flow.l4_csum_flags() | 2;
-    ctx.l4_csum_replace(flow.l4_csum_off(), u64::from(old), u64::from(new), flags).map_err(|_| RewriteFailed)
+    ctx.l4_csum_replace(flow.l4_csum_off(), u64::from(old), u64::from(new), flags).map_err(RewriteFailed::rc)
 }
 
 /// Rewrites an address of the packet an ICMP error quotes: the quoted IP header's checksum, and
@@ -325,12 +334,12 @@ pub fn rewrite_inner_addr(ctx: &TcContext, error: &IcmpError, addr_off: usize, o
         return Ok(());
     }
     let inner_csum_off = error.inner_ip_off() + 10;
-    let old_csum: u16 = ctx.load(inner_csum_off).map_err(|_| RewriteFailed)?;
-    ctx.store(addr_off, &new, 0).map_err(|_| RewriteFailed)?;
-    ctx.l3_csum_replace(inner_csum_off, u64::from(old), u64::from(new), 4).map_err(|_| RewriteFailed)?;
-    let new_csum: u16 = ctx.load(inner_csum_off).map_err(|_| RewriteFailed)?;
-    ctx.l4_csum_replace(error.csum_off(), u64::from(old), u64::from(new), 4).map_err(|_| RewriteFailed)?;
-    ctx.l4_csum_replace(error.csum_off(), u64::from(old_csum), u64::from(new_csum), 2).map_err(|_| RewriteFailed)
+    let old_csum: u16 = ctx.load(inner_csum_off).map_err(RewriteFailed::rc)?;
+    ctx.store(addr_off, &new, 0).map_err(RewriteFailed::rc)?;
+    ctx.l3_csum_replace(inner_csum_off, u64::from(old), u64::from(new), 4).map_err(RewriteFailed::rc)?;
+    let new_csum: u16 = ctx.load(inner_csum_off).map_err(RewriteFailed::rc)?;
+    ctx.l4_csum_replace(error.csum_off(), u64::from(old), u64::from(new), 4).map_err(RewriteFailed::rc)?;
+    ctx.l4_csum_replace(error.csum_off(), u64::from(old_csum), u64::from(new_csum), 2).map_err(RewriteFailed::rc)
 }
 
 /// Rewrites a port of the packet an ICMP or ICMPv6 error quotes, and the error's checksum (at
@@ -341,16 +350,16 @@ pub fn rewrite_inner_port(ctx: &TcContext, icmp_csum_off: usize, port_off: usize
     if old == new {
         return Ok(());
     }
-    ctx.store(port_off, &new, 0).map_err(|_| RewriteFailed)?;
-    ctx.l4_csum_replace(icmp_csum_off, u64::from(old), u64::from(new), 2).map_err(|_| RewriteFailed)
+    ctx.store(port_off, &new, 0).map_err(RewriteFailed::rc)?;
+    ctx.l4_csum_replace(icmp_csum_off, u64::from(old), u64::from(new), 2).map_err(RewriteFailed::rc)
 }
 
 /// Rewrites the outer destination of an ICMP error (ICMP has no pseudo-header: only the IP
 /// checksum follows).
 #[inline(always)]
 pub fn rewrite_outer_daddr(ctx: &TcContext, old: u32, new: u32) -> Result<(), RewriteFailed> {
-    ctx.store(IP_DADDR_OFF, &new, 0).map_err(|_| RewriteFailed)?;
-    ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(|_| RewriteFailed)
+    ctx.store(IP_DADDR_OFF, &new, 0).map_err(RewriteFailed::rc)?;
+    ctx.l3_csum_replace(IP_CSUM_OFF, u64::from(old), u64::from(new), 4).map_err(RewriteFailed::rc)
 }
 
 /// Ones' complement sum of `bytes` (big-endian 16-bit words) added to `sum`, unfolded.

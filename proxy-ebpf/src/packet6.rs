@@ -257,22 +257,38 @@ fn addr_diff(old: &[u32; 4], new: &[u32; 4]) -> Result<u64, RewriteFailed> {
     // lacks the const).
     let diff = unsafe { bpf_csum_diff(old.as_ptr().cast_mut(), 16, new.as_ptr().cast_mut(), 16, 0) };
     if diff < 0 {
-        return Err(RewriteFailed);
+        return Err(RewriteFailed::rc(diff));
     }
     Ok(diff as u64)
 }
 
 /// Replaces the address at `addr_off` (source or destination) and fixes the L4 checksum, which
-/// covers it through the pseudo-header. Not inlined: a small frame of its own, called often.
-#[inline(never)]
+/// covers it through the pseudo-header.
+#[inline(always)]
 pub fn rewrite_addr6(ctx: &TcContext, flow: &Flow6, addr_off: usize, old: &[u32; 4], new: &[u32; 4]) -> Result<(), RewriteFailed> {
-    if old == new {
-        return Ok(());
+    match rewrite_addr6_rc(ctx, flow, addr_off, old, new) {
+        0 => Ok(()),
+        rc => Err(RewriteFailed::rc(rc)),
     }
-    let diff = addr_diff(old, new)?;
-    ctx.store(addr_off, new, 0).map_err(|_| RewriteFailed)?;
+}
+
+/// [`rewrite_addr6`] as a helper's return code (0: done). Not inlined: a small frame of its own,
+/// called often; and a plain integer, because a `Result` would be returned through a sixth
+/// argument, which BPF does not have.
+#[inline(never)]
+fn rewrite_addr6_rc(ctx: &TcContext, flow: &Flow6, addr_off: usize, old: &[u32; 4], new: &[u32; 4]) -> i64 {
+    if old == new {
+        return 0;
+    }
+    let diff = match addr_diff(old, new) {
+        Ok(diff) => diff,
+        Err(failed) => return i64::from(failed.0),
+    };
+    if let Err(rc) = ctx.store(addr_off, new, 0) {
+        return rc;
+    }
     let flags = flow.l4_csum_flags() | u64::from(BPF_F_PSEUDO_HDR);
-    ctx.l4_csum_replace(flow.l4_csum_off(), 0, diff, flags).map_err(|_| RewriteFailed)
+    ctx.l4_csum_replace(flow.l4_csum_off(), 0, diff, flags).err().unwrap_or(0)
 }
 
 /// Replaces the L4 port at `port_off` and fixes the L4 checksum.
@@ -281,9 +297,9 @@ pub fn rewrite_port6(ctx: &TcContext, flow: &Flow6, port_off: usize, old: u16, n
     if old == new {
         return Ok(());
     }
-    ctx.store(port_off, &new, 0).map_err(|_| RewriteFailed)?;
+    ctx.store(port_off, &new, 0).map_err(RewriteFailed::rc)?;
     ctx.l4_csum_replace(flow.l4_csum_off(), u64::from(old), u64::from(new), flow.l4_csum_flags() | 2)
-        .map_err(|_| RewriteFailed)
+        .map_err(RewriteFailed::rc)
 }
 
 /// Rewrites an address of the packet an ICMPv6 error quotes (no IPv6 header checksum): the
@@ -294,8 +310,8 @@ pub fn rewrite_inner_addr6(ctx: &TcContext, error: &IcmpError6, addr_off: usize,
         return Ok(());
     }
     let diff = addr_diff(old, new)?;
-    ctx.store(addr_off, new, 0).map_err(|_| RewriteFailed)?;
-    ctx.l4_csum_replace(error.csum_off(), 0, diff, 0).map_err(|_| RewriteFailed)
+    ctx.store(addr_off, new, 0).map_err(RewriteFailed::rc)?;
+    ctx.l4_csum_replace(error.csum_off(), 0, diff, 0).map_err(RewriteFailed::rc)
 }
 
 /// Rewrites the outer destination of an ICMPv6 error: unlike ICMP, ICMPv6's checksum covers a
@@ -306,6 +322,6 @@ pub fn rewrite_outer_daddr6(ctx: &TcContext, error: &IcmpError6, new: &[u32; 4])
         return Ok(());
     }
     let diff = addr_diff(&error.daddr, new)?;
-    ctx.store(IP6_DADDR_OFF, new, 0).map_err(|_| RewriteFailed)?;
-    ctx.l4_csum_replace(error.csum_off(), 0, diff, u64::from(BPF_F_PSEUDO_HDR)).map_err(|_| RewriteFailed)
+    ctx.store(IP6_DADDR_OFF, new, 0).map_err(RewriteFailed::rc)?;
+    ctx.l4_csum_replace(error.csum_off(), 0, diff, u64::from(BPF_F_PSEUDO_HDR)).map_err(RewriteFailed::rc)
 }

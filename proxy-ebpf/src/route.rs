@@ -18,8 +18,9 @@ use aya_ebpf::{
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
 
-/// The route lookup failed (no route, forwarding disabled, too big): the caller drops.
-pub struct NoRoute;
+/// The route lookup or the redirect failed (no route, forwarding disabled, too big): the caller
+/// drops. Holds the helper's return code (`BPF_FIB_LKUP_RET_*` for the lookup).
+pub struct NoRoute(pub i64);
 
 /// Redirects the (already rewritten) packet from `saddr_be` to `daddr_be` out of the interface
 /// the node's routing table picks, with that route's next hop as the Ethernet destination.
@@ -62,16 +63,16 @@ fn lookup_and_redirect(ctx: &TcContext, params: &mut bpf_fib_lookup) -> Result<i
         let mut macs = [0u8; 12];
         macs[..6].copy_from_slice(&params.dmac);
         macs[6..].copy_from_slice(&params.smac);
-        ctx.store(0, &macs, 0).map_err(|_| NoRoute)?;
+        ctx.store(0, &macs, 0).map_err(NoRoute)?;
         unsafe { bpf_redirect(params.ifindex, 0) }
     } else if rc == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
         // The next hop's address is not resolved yet: let the kernel's neighbour code do it.
         unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) }
     } else {
-        return Err(NoRoute);
+        return Err(NoRoute(rc));
     };
     if verdict != i64::from(TC_ACT_REDIRECT) {
-        return Err(NoRoute);
+        return Err(NoRoute(verdict));
     }
     Ok(verdict as i32)
 }

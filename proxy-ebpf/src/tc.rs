@@ -42,10 +42,10 @@ use crate::affinity;
 use crate::maps::{count, BACKENDS4, CT4, IFADDR4, MAGLEV4, SERVICES4};
 use crate::packet::{
     parse, rewrite_addr, rewrite_inner_addr, rewrite_inner_port, rewrite_outer_daddr, rewrite_port, Flow,
-    IcmpError, Parsed, RewriteFailed, ETH_P_IP, IP_DADDR_OFF, IP_SADDR_OFF, TCP_ACK, TCP_SYN,
+    IcmpError, Parsed, ETH_P_IP, IP_DADDR_OFF, IP_SADDR_OFF, TCP_ACK, TCP_SYN,
 };
 use crate::packet6::ETH_P_IPV6;
-use crate::{reject, route};
+use crate::{failure, reject, route};
 
 const PASS: i32 = TC_ACT_OK as i32;
 const DROP: i32 = TC_ACT_SHOT as i32;
@@ -124,7 +124,7 @@ fn ingress(ctx: &TcContext) -> i32 {
             return reject::no_backend_verdict(reject::port_unreachable(ctx, &flow));
         }
         // sessionAffinity: ClientIP, by the client's source address.
-        let affinity_key = affinity::key(&frontend, || u64::from(flow.saddr_be), proxy_abi::affinity::CLIENT_IP4);
+        let affinity_key = affinity::key(&frontend, || proxy_abi::affinity::ip4_client(flow.saddr_be), proxy_abi::affinity::CLIENT_IP4);
         let (backend_id, backend) = match affinity_key.as_ref().and_then(|k| affinity::remembered(k, &frontend)) {
             Some(chosen) => chosen,
             None => match maglev_pick(
@@ -176,7 +176,7 @@ fn ingress(ctx: &TcContext) -> i32 {
                     entry.nat |= ct::NAT_SNAT;
                     entry.snat_addr_be = snat_addr_be;
                     let Some(port_be) = claim_snat_port(&entry, flow.proto, now) else {
-                        count(stat::TC_SNAT_NO_PORT);
+                        failure::no_snat_port(ctx, backend.port_be);
                         return DROP;
                     };
                     entry.snat_port_be = port_be;
@@ -186,15 +186,18 @@ fn ingress(ctx: &TcContext) -> i32 {
         // Translate even when the entry cannot be written: the packet is still better served
         // than dropped (an SNATed flow's replies then stay unanswered, as with a full table).
         let claimed = entry.nat & ct::NAT_SNAT != 0;
-        count(if record(&flow, &entry, claimed).is_ok() { stat::TC_CT_NEW } else { stat::TC_CT_RECORD_FAIL });
+        match record(&flow, &entry, claimed) {
+            Ok(()) => count(stat::TC_CT_NEW),
+            Err(()) => failure::conntrack_insert(ctx),
+        }
         let snat = (entry.nat & ct::NAT_SNAT != 0).then_some((entry.snat_addr_be, entry.snat_port_be));
         Target { addr_be: backend.addr_be, port_be: backend.port_be, snat }
     };
 
     let rewritten = rewrite_addr(ctx, &flow, IP_DADDR_OFF, flow.daddr_be, target.addr_be)
         .and_then(|()| rewrite_port(ctx, &flow, flow.l4_off + 2, flow.dport_be, target.port_be));
-    if rewritten.is_err() {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(failed) = rewritten {
+        failure::rewrite(ctx, failed);
         return DROP;
     }
     count(stat::TC_DNAT);
@@ -204,8 +207,8 @@ fn ingress(ctx: &TcContext) -> i32 {
     };
     let rewritten = rewrite_addr(ctx, &flow, IP_SADDR_OFF, flow.saddr_be, snat_addr_be)
         .and_then(|()| rewrite_port(ctx, &flow, flow.l4_off, flow.sport_be, snat_port_be));
-    if rewritten.is_err() {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(failed) = rewritten {
+        failure::rewrite(ctx, failed);
         return DROP;
     }
     count(stat::TC_SNAT);
@@ -246,8 +249,8 @@ pub(crate) fn maglev_pick<B: Copy>(
 fn forward_routed(ctx: &TcContext, proto: u8, saddr_be: u32, daddr_be: u32) -> i32 {
     match route::redirect(ctx, proto, saddr_be, daddr_be) {
         Ok(verdict) => verdict,
-        Err(route::NoRoute) => {
-            count(stat::TC_FIB_FAIL);
+        Err(failed) => {
+            failure::route(ctx, failed);
             DROP
         }
     }
@@ -311,8 +314,8 @@ fn snat_reply(ctx: &TcContext, flow: &Flow, entry: &mut CtEntry4, now: u64) -> i
         .and_then(|()| rewrite_port(ctx, flow, flow.l4_off, flow.sport_be, entry.frontend_port_be))
         .and_then(|()| rewrite_addr(ctx, flow, IP_DADDR_OFF, flow.daddr_be, entry.client_addr_be))
         .and_then(|()| rewrite_port(ctx, flow, flow.l4_off + 2, flow.dport_be, entry.client_port_be));
-    if let Err(RewriteFailed) = rewritten {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(failed) = rewritten {
+        failure::rewrite(ctx, failed);
         return DROP;
     }
     count(stat::TC_SNAT_REPLY);
@@ -358,8 +361,8 @@ fn icmp_error(ctx: &TcContext, error: &IcmpError) -> i32 {
         .and_then(|()| rewrite_inner_addr(ctx, error, error.inner_daddr_off(), inner.daddr_be, dst))
         .and_then(|()| rewrite_inner_port(ctx, error.csum_off(), error.inner_dport_off(), inner.dport_be, dport))
         .and_then(|()| rewrite_outer_daddr(ctx, error.daddr_be, to));
-    if rewritten.is_err() {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(failed) = rewritten {
+        failure::rewrite(ctx, failed);
         return DROP;
     }
     count(stat::TC_ICMP_ERROR_XLATE);
@@ -422,8 +425,8 @@ fn egress(ctx: &TcContext) -> i32 {
 
     let rewritten = rewrite_addr(ctx, &flow, IP_SADDR_OFF, flow.saddr_be, frontend_addr_be)
         .and_then(|()| rewrite_port(ctx, &flow, flow.l4_off, flow.sport_be, frontend_port_be));
-    if rewritten.is_err() {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(failed) = rewritten {
+        failure::rewrite(ctx, failed);
         return DROP;
     }
     count(stat::TC_REV_NAT);

@@ -32,7 +32,7 @@ use crate::packet6::{
     parse6, rewrite_addr6, rewrite_inner_addr6, rewrite_outer_daddr6, rewrite_port6, Flow6,
     Parsed6, Parsed6Out, IP6_DADDR_OFF, IP6_SADDR_OFF,
 };
-use crate::{reject, route};
+use crate::{failure, reject, route};
 
 const PASS: i32 = TC_ACT_OK as i32;
 const DROP: i32 = TC_ACT_SHOT as i32;
@@ -74,12 +74,6 @@ fn set_key(key: &mut CtKey6, saddr: &[u32; 4], daddr: &[u32; 4], sport_be: u16, 
     key.proto = proto;
     key.dir = dir;
     key.pad = [0; 2];
-}
-
-/// The client's IPv6 address folded to 64 bits, for the affinity key.
-#[inline(always)]
-fn folded(addr: &[u32; 4]) -> u64 {
-    (u64::from(addr[0]) << 32 | u64::from(addr[1])) ^ (u64::from(addr[2]) << 32 | u64::from(addr[3]))
 }
 
 #[inline(always)]
@@ -131,8 +125,8 @@ fn translate6(ctx: &TcContext, w: &mut Work6) -> i32 {
     let entry = &w.entry;
     let rewritten = rewrite_addr6(ctx, flow, IP6_DADDR_OFF, &flow.daddr, &entry.backend_addr)
         .and_then(|()| rewrite_port6(ctx, flow, flow.l4_off + 2, flow.dport_be, entry.backend_port_be));
-    if rewritten.is_err() {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(failed) = rewritten {
+        failure::rewrite(ctx, failed);
         return DROP;
     }
     count(stat::TC_DNAT);
@@ -142,8 +136,8 @@ fn translate6(ctx: &TcContext, w: &mut Work6) -> i32 {
     }
     let rewritten = rewrite_addr6(ctx, flow, IP6_SADDR_OFF, &flow.saddr, &entry.snat_addr)
         .and_then(|()| rewrite_port6(ctx, flow, flow.l4_off, flow.sport_be, entry.snat_port_be));
-    if rewritten.is_err() {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(failed) = rewritten {
+        failure::rewrite(ctx, failed);
         return DROP;
     }
     count(stat::TC_SNAT);
@@ -187,7 +181,7 @@ fn tracked6(w: &mut Work6, now: u64) -> bool {
 #[inline(never)]
 fn new_flow6(ctx: &TcContext, w: &mut Work6, frontend: &ServiceValue4, now: u64) -> bool {
     let flow = &w.parsed.flow;
-    let affinity_key = affinity::key(frontend, || folded(&flow.saddr), proxy_abi::affinity::CLIENT_IP6);
+    let affinity_key = affinity::key(frontend, || flow.saddr, proxy_abi::affinity::CLIENT_IP6);
     let chosen = match affinity_key.as_ref().and_then(|k| affinity::remembered6(k, frontend)) {
         Some(chosen) => Some(chosen),
         None => match crate::tc::maglev_pick(
@@ -234,13 +228,17 @@ fn new_flow6(ctx: &TcContext, w: &mut Work6, frontend: &ServiceValue4, now: u64)
                 entry.nat |= ct::NAT_SNAT;
                 entry.snat_addr = snat_addr;
                 if !claim_snat_port6(w, now) {
-                    count(stat::TC_SNAT_NO_PORT);
+                    failure::no_snat_port(ctx, backend.port_be);
                     return false;
                 }
             }
         }
     }
-    count(if record6(w) { stat::TC_CT_NEW } else { stat::TC_CT_RECORD_FAIL });
+    if record6(w) {
+        count(stat::TC_CT_NEW);
+    } else {
+        failure::conntrack_insert(ctx);
+    }
     true
 }
 
@@ -302,8 +300,8 @@ unsafe extern "C" fn try_snat_port6(index: u64, search: *mut c_void) -> c_long {
 fn forward_routed6(ctx: &TcContext, proto: u8, saddr: &[u32; 4], daddr: &[u32; 4]) -> i32 {
     match route::redirect6(ctx, proto, saddr, daddr) {
         Ok(verdict) => verdict,
-        Err(route::NoRoute) => {
-            count(stat::TC_FIB_FAIL);
+        Err(failed) => {
+            failure::route(ctx, failed);
             DROP
         }
     }
@@ -325,8 +323,8 @@ fn snat_reply6(ctx: &TcContext, w: &mut Work6, now: u64) -> i32 {
         .and_then(|()| rewrite_port6(ctx, flow, flow.l4_off, flow.sport_be, entry.frontend_port_be))
         .and_then(|()| rewrite_addr6(ctx, flow, IP6_DADDR_OFF, &flow.daddr, &entry.client_addr))
         .and_then(|()| rewrite_port6(ctx, flow, flow.l4_off + 2, flow.dport_be, entry.client_port_be));
-    if rewritten.is_err() {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(failed) = rewritten {
+        failure::rewrite(ctx, failed);
         return DROP;
     }
     count(stat::TC_SNAT_REPLY);
@@ -370,8 +368,8 @@ fn icmp_error6(ctx: &TcContext, w: &mut Work6) -> i32 {
         .and_then(|()| rewrite_inner_addr6(ctx, error, error.inner_daddr_off(), &inner.daddr, dst))
         .and_then(|()| rewrite_inner_port(ctx, error.csum_off(), inner.l4_off + 2, inner.dport_be, dport))
         .and_then(|()| rewrite_outer_daddr6(ctx, error, to));
-    if rewritten.is_err() {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(failed) = rewritten {
+        failure::rewrite(ctx, failed);
         return DROP;
     }
     count(stat::TC_ICMP_ERROR_XLATE);
@@ -403,8 +401,8 @@ pub fn egress6(ctx: &TcContext) -> i32 {
     let entry = &w.entry;
     let rewritten = rewrite_addr6(ctx, flow, IP6_SADDR_OFF, &flow.saddr, &entry.frontend_addr)
         .and_then(|()| rewrite_port6(ctx, flow, flow.l4_off, flow.sport_be, entry.frontend_port_be));
-    if rewritten.is_err() {
-        count(stat::TC_REWRITE_FAIL);
+    if let Err(failed) = rewritten {
+        failure::rewrite(ctx, failed);
         return DROP;
     }
     count(stat::TC_REV_NAT);

@@ -80,8 +80,17 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         Ok(flows) => tracing::info!(entries = flows, "carried the tracked flows of the previous conntrack layout over"),
         Err(error) => tracing::warn!("cannot carry the previous layout's tracked flows over: {}", error_chain(&error)),
     }
+    match kernel::carry_over_v1_affinity(&args.bpffs) {
+        Ok(0) => {}
+        Ok(entries) => tracing::info!(entries, "carried the session-affinity entries of the previous layout over"),
+        Err(error) => tracing::warn!("cannot carry the previous layout's session-affinity entries over: {}", error_chain(&error)),
+    }
     kernel::tc::attach(&mut datapath, &args.bpffs, &interfaces, args.tc_attach)
         .with_context(|| format!("attaching the packet-level programs to {interfaces:?}"))?;
+    // Every program is loaded now (the socket hooks by `load`, the TC programs by `attach`).
+    if let Err(error) = datapath.forward_kernel_log() {
+        tracing::warn!("the kernel programs' failure log will not be shown: {}", error_chain(&error));
+    }
     configure_snat_ports(&args)?;
     for path in kernel::remove_obsolete_pins(&args.bpffs) {
         tracing::info!(pin = %path.display(), "unpinned a map of an earlier layout that no program uses any more");
@@ -99,6 +108,14 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let status = Arc::new(Mutex::new(Status::default()));
     if reconciler.programmed_frontends() == 0 {
         restore_checkpoint(&args.state_dir, &mut reconciler, &status);
+    }
+    if args.restore_only {
+        tracing::info!(
+            frontends = reconciler.programmed_frontends(),
+            backends = reconciler.programmed_backends(),
+            "--restore-only: the datapath is attached and programmed; exiting, leaving it to the next agent"
+        );
+        return Ok(());
     }
     let source_health = Arc::new(SourceHealth::default());
     let stale_after = args.healthz_stale_after;
@@ -379,7 +396,12 @@ fn purge_stale_flows(bpffs: &std::path::Path, job: &Arc<BackgroundJob>) {
     let bpffs = bpffs.to_owned();
     job.request(move || match kernel::purge_stale_flows(&bpffs) {
         Ok(purged) if purged != kernel::PurgedFlows::default() => {
-            tracing::info!(affinity = purged.affinity, udp_conntrack = purged.udp_conntrack, "purged flows of removed backends");
+            tracing::info!(
+                affinity = purged.affinity,
+                udp_conntrack = purged.udp_conntrack,
+                udp_sockets = purged.udp_sockets,
+                "purged flows of removed backends"
+            );
         }
         Ok(_) => {}
         Err(error) => tracing::warn!("cannot purge flows of removed backends: {}", error_chain(&error)),

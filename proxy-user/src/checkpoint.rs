@@ -78,40 +78,111 @@ struct Entry {
 /// FNV-1a, 64 bit: detects torn or edited files; this is not a defence against tampering (the
 /// state directory is root's).
 fn fnv1a64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+    fnv1a64_continue(FNV_OFFSET, bytes)
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn fnv1a64_continue(hash: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(hash, |hash, b| (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Passes bytes on and folds them into the checksum.
+struct Checksummed<W> {
+    inner: W,
+    hash: u64,
+}
+
+impl<W: Write> Write for Checksummed<W> {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        let written = self.inner.write(bytes)?;
+        self.hash = fnv1a64_continue(self.hash, &bytes[..written]);
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// [`Entry`] as serialised, borrowed from the state: the same JSON without a copy of it. (At
+/// 30 000 Services the copy, the JSON text and the file's contents were each tens of MiB, the
+/// agent's peak memory.)
+#[derive(Serialize)]
+struct EntryRef<'a> {
+    ip: IpAddr,
+    port: u16,
+    protocol: u8,
+    scope: u8,
+    namespace: &'a str,
+    name: &'a str,
+    port_name: &'a str,
+    backends: Backends<'a>,
+    kind: FrontendKind,
+    local_only: bool,
+    affinity_timeout: Option<u32>,
+    local_backends: Backends<'a>,
+}
+
+/// Backends as `(address, port)` pairs; only the local ones when `local_only`.
+struct Backends<'a> {
+    backends: &'a [Backend],
+    local_only: bool,
+}
+
+impl Serialize for Backends<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let local_only = self.local_only;
+        serializer.collect_seq(self.backends.iter().filter(|b| b.local || !local_only).map(|b| (b.addr.addr, b.addr.port)))
+    }
+}
+
+struct Entries<'a>(&'a DesiredState);
+
+impl Serialize for Entries<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.0.frontends.iter().map(|(f, spec)| EntryRef {
+            ip: f.addr,
+            port: f.port,
+            protocol: f.proto.number(),
+            scope: f.scope.number(),
+            namespace: &spec.service.namespace,
+            name: &spec.service.name,
+            port_name: &spec.service.port,
+            backends: Backends { backends: &spec.backends, local_only: false },
+            kind: spec.kind,
+            local_only: spec.local_only,
+            affinity_timeout: spec.affinity_timeout,
+            local_backends: Backends { backends: &spec.backends, local_only: true },
+        }))
+    }
 }
 
 pub fn path(state_dir: &Path) -> PathBuf {
     state_dir.join(FILE_NAME)
 }
 
-/// Writes `state` to `state_dir` atomically.
+fn header(checksum: u64) -> String {
+    format!("{MAGIC} {VERSION} {checksum:016x}\n")
+}
+
+/// Writes `state` to `state_dir` atomically, streaming it: the header's checksum is written
+/// last, over a placeholder of the same length.
 pub fn save(state_dir: &Path, state: &DesiredState) -> Result<(), CheckpointError> {
-    let entries: Vec<Entry> = state
-        .frontends
-        .iter()
-        .map(|(f, spec)| Entry {
-            ip: f.addr,
-            port: f.port,
-            protocol: f.proto.number(),
-            scope: f.scope.number(),
-            namespace: spec.service.namespace.clone(),
-            name: spec.service.name.clone(),
-            port_name: spec.service.port.clone(),
-            backends: spec.backends.iter().map(|b| (b.addr.addr, b.addr.port)).collect(),
-            kind: spec.kind,
-            local_only: spec.local_only,
-            affinity_timeout: spec.affinity_timeout,
-            local_backends: spec.backends.iter().filter(|b| b.local).map(|b| (b.addr.addr, b.addr.port)).collect(),
-        })
-        .collect();
-    let payload = serde_json::to_string(&entries).expect("checkpoint entries serialise");
-    let contents = format!("{MAGIC} {VERSION} {:016x}\n{payload}\n", fnv1a64(payload.as_bytes()));
+    use std::io::{Seek, SeekFrom};
     let target = path(state_dir);
     let tmp = state_dir.join(format!(".{FILE_NAME}.tmp"));
     let err = |source| CheckpointError::Write { path: target.clone(), source };
-    let mut file = fs::File::create(&tmp).map_err(err)?;
-    file.write_all(contents.as_bytes()).map_err(err)?;
+    let file = fs::File::create(&tmp).map_err(err)?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, file);
+    out.write_all(header(0).as_bytes()).map_err(err)?;
+    let mut payload = Checksummed { inner: out, hash: FNV_OFFSET };
+    serde_json::to_writer(&mut payload, &Entries(state)).map_err(|e| err(e.into()))?;
+    let (mut out, checksum) = (payload.inner, payload.hash);
+    out.write_all(b"\n").map_err(err)?;
+    let mut file = out.into_inner().map_err(|e| err(e.into_error()))?;
+    file.seek(SeekFrom::Start(0)).map_err(err)?;
+    file.write_all(header(checksum).as_bytes()).map_err(err)?;
     file.sync_all().map_err(err)?;
     fs::rename(&tmp, &target).map_err(err)?;
     // The rename itself must survive a power cut too.
@@ -219,6 +290,37 @@ mod tests {
         save(&dir, &state()).unwrap();
         assert_eq!(load(&dir).unwrap().unwrap(), state());
         fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// The streamed file is byte for byte what serialising [`Entry`] values gives (the format
+    /// older agents of version 2 read), with a checksum `load`'s own check accepts.
+    #[test]
+    fn the_streamed_file_is_the_entries_json_with_its_checksum() {
+        let dir = dir();
+        let state = state();
+        save(&dir, &state).unwrap();
+        let entries: Vec<Entry> = state
+            .frontends
+            .iter()
+            .map(|(f, spec)| Entry {
+                ip: f.addr,
+                port: f.port,
+                protocol: f.proto.number(),
+                scope: f.scope.number(),
+                namespace: spec.service.namespace.clone(),
+                name: spec.service.name.clone(),
+                port_name: spec.service.port.clone(),
+                backends: spec.backends.iter().map(|b| (b.addr.addr, b.addr.port)).collect(),
+                kind: spec.kind,
+                local_only: spec.local_only,
+                affinity_timeout: spec.affinity_timeout,
+                local_backends: spec.backends.iter().filter(|b| b.local).map(|b| (b.addr.addr, b.addr.port)).collect(),
+            })
+            .collect();
+        let payload = serde_json::to_string(&entries).unwrap();
+        let expected = format!("{}{payload}\n", header(fnv1a64(payload.as_bytes())));
+        assert_eq!(fs::read_to_string(path(&dir)).unwrap(), expected);
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

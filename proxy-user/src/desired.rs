@@ -13,6 +13,7 @@
 mod endpoints;
 mod incremental;
 mod rejection;
+mod service;
 mod slice;
 #[cfg(test)]
 mod tests;
@@ -22,7 +23,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, Service, ServicePort};
+use k8s_openapi::api::core::v1::Node;
 use serde::{Deserialize, Serialize};
 
 use crate::ipparse::{parse_ip_sloppy, special_address, Cidr};
@@ -30,7 +31,8 @@ use endpoints::{categorize, Categorized, NodeView, ServiceEndpoints};
 #[cfg(test)]
 pub use incremental::group;
 pub use incremental::{service_key, slice_service_key, Changes, Incremental, ServiceKey, ServiceObjects};
-pub use slice::Slice;
+pub use service::{PortInfo, ServiceInfo, ServiceType};
+pub use slice::{EndpointAddress, Slice};
 pub use rejection::{
     AddressField, Conflict, FamilyMissingOn, InvalidAddress, InvalidPort, Malformed, ObjectKind, RejectReason, RejectedObject,
     Rejection,
@@ -304,7 +306,7 @@ pub struct NodeConfig {
 /// a snapshot copies pointers, not objects (at 30 000 Services, each copy was ~100 MiB).
 #[derive(Clone, Debug, Default)]
 pub struct ClusterState {
-    pub services: Vec<Arc<Service>>,
+    pub services: Vec<Arc<ServiceInfo>>,
     pub slices: Vec<Arc<Slice>>,
     pub node: Option<Arc<Node>>,
 }
@@ -405,20 +407,19 @@ fn primary_node_ips(node: Option<&Node>) -> Vec<IpAddr> {
 
 /// Appends the frontend candidates of one Service; problems are pushed as reasons.
 fn service_candidates(
-    service: &Service,
+    service: &ServiceInfo,
     endpoints: Option<&ServiceEndpoints>,
     node: &ThisNode<'_>,
     candidates: &mut Vec<Candidate>,
     problems: &mut Vec<RejectReason>,
 ) {
-    if is_ignored(service) {
+    if service.is_ignored() {
         return;
     }
-    let Some(spec) = &service.spec else { return };
-    let (namespace, name) = object_name(&service.metadata);
+    let (namespace, name) = service.object_name();
 
     let mut families = Vec::new();
-    for text in cluster_ip_texts(service) {
+    for text in &service.cluster_ips {
         match parse_ip_sloppy(text) {
             Some(ip) if special_address(ip).is_some() => {
                 let class = special_address(ip).unwrap_or_default();
@@ -441,33 +442,25 @@ fn service_candidates(
     }
 
     let external_ips = external_addresses(
-        spec.external_ips.iter().flatten().map(String::as_str),
+        service.external_ips.iter().map(String::as_str),
         FrontendKind::ExternalIp,
         &families,
         node,
         problems,
     );
-    // kube-proxy programs only VIP-mode ingress IPs; `ipMode: Proxy` means the load balancer
-    // proxies and traffic must reach it (pkg/proxy/serviceport.go `newBaseServiceInfo`).
-    let ingress = service.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|lb| lb.ingress.as_ref());
     let lb_ips = external_addresses(
-        ingress
-            .into_iter()
-            .flatten()
-            .filter(|i| i.ip_mode.as_deref().is_none_or(|mode| mode == "VIP"))
-            .filter_map(|i| i.ip.as_deref()),
+        service.load_balancer_ips.iter().map(String::as_str),
         FrontendKind::LoadBalancer,
         &families,
         node,
         problems,
     );
 
-    let affinity_timeout = affinity_timeout(spec, problems);
-    let internal_local = spec.internal_traffic_policy.as_deref() == Some("Local");
-    let external_local = spec.external_traffic_policy.as_deref() == Some("Local");
+    let affinity_timeout = affinity_timeout(service.client_ip_affinity, problems);
+    let (internal_local, external_local) = (service.internal_local, service.external_local);
     let node_view = NodeView { node_name: node.name, zone: node.zone };
 
-    for port in spec.ports.iter().flatten() {
+    for port in &service.ports {
         let (port_key, frontend_port) = match service_port(port) {
             Ok(resolved) => resolved,
             Err(reason) => {
@@ -475,7 +468,7 @@ fn service_candidates(
                 continue;
             }
         };
-        let node_port = match node_port(spec.type_.as_deref(), port) {
+        let node_port = match node_port(service.type_, port) {
             Ok(node_port) => node_port,
             Err(reason) => {
                 problems.push(reason);
@@ -558,52 +551,21 @@ fn external_addresses<'a>(
     addrs
 }
 
-fn object_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> (String, String) {
-    (
-        meta.namespace.clone().unwrap_or_else(|| "default".to_owned()),
-        meta.name.clone().unwrap_or_default(),
-    )
-}
-
-/// Services kube-proxy does not program: ExternalName (even with a stale clusterIP), headless,
-/// and those labelled for another proxy or as headless.
-fn is_ignored(service: &Service) -> bool {
-    let labels = service.metadata.labels.as_ref();
-    let has_label = |label: &str| labels.is_some_and(|l| l.contains_key(label));
-    if has_label(LABEL_SERVICE_PROXY_NAME) || has_label(LABEL_HEADLESS) {
-        return true;
-    }
-    let Some(spec) = &service.spec else { return true };
-    if spec.type_.as_deref() == Some("ExternalName") {
-        return true;
-    }
-    matches!(spec.cluster_ip.as_deref(), None | Some("") | Some("None"))
-}
-
-/// `clusterIPs`, falling back to `clusterIP`.
-fn cluster_ip_texts(service: &Service) -> Vec<&str> {
-    let Some(spec) = service.spec.as_ref() else { return Vec::new() };
-    match &spec.cluster_ips {
-        Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
-        _ => spec.cluster_ip.iter().map(String::as_str).collect(),
-    }
-}
-
-fn service_port(port: &ServicePort) -> Result<(PortKey, u16), RejectReason> {
+fn service_port(port: &PortInfo) -> Result<(PortKey, u16), RejectReason> {
     let proto = Proto::from_k8s(port.protocol.as_deref())?;
     let number = u16::try_from(port.port)
         .ok()
         .filter(|p| *p != 0)
         .ok_or(RejectReason::InvalidPort(InvalidPort::Port { port: port.port }))?;
-    Ok(((port.name.clone().unwrap_or_default(), proto), number))
+    Ok(((port.name.clone(), proto), number))
 }
 
 /// The port's NodePort, if it has one. kube-proxy programs any non-zero `nodePort`; a NodePort
 /// Service without one (only possible outside the API server, which allocates it) is reported.
-fn node_port(service_type: Option<&str>, port: &ServicePort) -> Result<Option<u16>, RejectReason> {
-    let port_name = port.name.clone().unwrap_or_default();
-    match port.node_port.unwrap_or(0) {
-        0 if service_type == Some("NodePort") => Err(RejectReason::InvalidPort(InvalidPort::MissingNodePort { port_name })),
+fn node_port(service_type: ServiceType, port: &PortInfo) -> Result<Option<u16>, RejectReason> {
+    let port_name = port.name.clone();
+    match port.node_port {
+        0 if service_type == ServiceType::NodePort => Err(RejectReason::InvalidPort(InvalidPort::MissingNodePort { port_name })),
         0 => Ok(None),
         number => u16::try_from(number)
             .map(Some)
@@ -612,12 +574,8 @@ fn node_port(service_type: Option<&str>, port: &ServicePort) -> Result<Option<u1
 }
 
 /// `sessionAffinity: ClientIP`: the timeout in seconds (the API allows 1..=86400, default 10800).
-fn affinity_timeout(spec: &k8s_openapi::api::core::v1::ServiceSpec, problems: &mut Vec<RejectReason>) -> Option<u32> {
-    if spec.session_affinity.as_deref() != Some("ClientIP") {
-        return None;
-    }
-    let configured = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref()).and_then(|c| c.timeout_seconds);
-    match configured {
+fn affinity_timeout(client_ip_affinity: Option<Option<i32>>, problems: &mut Vec<RejectReason>) -> Option<u32> {
+    match client_ip_affinity? {
         None => Some(DEFAULT_AFFINITY_TIMEOUT),
         Some(seconds) => match u32::try_from(seconds).ok().filter(|s| (1..=MAX_AFFINITY_TIMEOUT).contains(s)) {
             Some(seconds) => Some(seconds),

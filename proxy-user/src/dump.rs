@@ -72,8 +72,8 @@ pub struct Dump {
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DumpedAffinity {
-    /// `netns:COOKIE` (a local client: pod or node, socket hooks), the client's IPv4 address, or
-    /// `ipv6-folded:HEX` (an IPv6 client's address folded to 64 bits, as the key holds it).
+    /// `netns:COOKIE` (a local client: pod or node, socket hooks), or the client's IPv4 or IPv6
+    /// address (packet path).
     pub client: String,
     /// `ip:port` of the frontend (from the reverse-NAT map), or `rev-nat:ID` if it is gone.
     pub frontend: String,
@@ -226,10 +226,9 @@ fn affinity_entries(
         .into_iter()
         .map(|(key, value)| DumpedAffinity {
             client: match key.kind {
-                proxy_abi::affinity::CLIENT_IP4 => Ipv4Addr::from(u32::from_be(key.client as u32)).to_string(),
-                // Folded to 64 bits in the key: not reversible, shown as the folded value.
-                proxy_abi::affinity::CLIENT_IP6 => format!("ipv6-folded:{:016x}", key.client),
-                _ => format!("netns:{}", key.client),
+                proxy_abi::affinity::CLIENT_IP4 => Ipv4Addr::from(u32::from_be(key.client[0])).to_string(),
+                proxy_abi::affinity::CLIENT_IP6 => ipv6_from_words(key.client).to_string(),
+                _ => format!("netns:{}", proxy_abi::affinity::netns_cookie(&key.client)),
             },
             frontend: rev_nats.get(&key.rev_nat_id).map_or_else(|| format!("rev-nat:{}", key.rev_nat_id), rev_nat_text),
             rev_nat_id: key.rev_nat_id,

@@ -15,10 +15,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Service;
-
 use crate::agent::error_chain;
-use crate::desired::{ClusterState, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+use crate::desired::{ClusterState, EndpointAddress, ServiceInfo, ServiceType};
 use crate::http::{self, Response};
 
 /// How far the datapath is behind the API: the age of the oldest change the source delivered
@@ -78,15 +76,13 @@ pub fn health_checks(cluster: &ClusterState, node_name: &str) -> BTreeMap<Servic
         .iter()
         .filter_map(|service| {
             let port = health_check_port(service)?;
-            let name = ServiceName {
-                namespace: service.metadata.namespace.clone().unwrap_or_else(|| "default".to_owned()),
-                name: service.metadata.name.clone()?,
-            };
+            let (namespace, name) = service.object_name();
+            let name = ServiceName { namespace, name };
             Some((name, HealthCheck { port, local_endpoints: 0 }))
         })
         .collect();
 
-    let mut local: BTreeMap<ServiceName, BTreeSet<&str>> = BTreeMap::new();
+    let mut local: BTreeMap<ServiceName, BTreeSet<&EndpointAddress>> = BTreeMap::new();
     for slice in &cluster.slices {
         let Some(service) = slice.service_name.as_ref() else { continue };
         let name = ServiceName {
@@ -114,20 +110,16 @@ pub fn health_checks(cluster: &ClusterState, node_name: &str) -> BTreeMap<Servic
     checks
 }
 
-fn health_check_port(service: &Service) -> Option<u16> {
-    let labels = service.metadata.labels.as_ref();
-    if labels.is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME) || l.contains_key(LABEL_HEADLESS)) {
-        return None;
-    }
-    let spec = service.spec.as_ref()?;
-    let wanted = spec.type_.as_deref() == Some("LoadBalancer")
-        && spec.external_traffic_policy.as_deref() == Some("Local")
-        && !matches!(spec.cluster_ip.as_deref(), None | Some("") | Some("None"))
-        && spec.ports.as_ref().is_some_and(|p| !p.is_empty());
+fn health_check_port(service: &ServiceInfo) -> Option<u16> {
+    let wanted = service.type_ == ServiceType::LoadBalancer
+        && service.external_local
+        && !service.skip_label
+        && !service.headless
+        && !service.ports.is_empty();
     if !wanted {
         return None;
     }
-    u16::try_from(spec.health_check_node_port?).ok().filter(|p| *p != 0)
+    u16::try_from(service.health_check_node_port?).ok().filter(|p| *p != 0)
 }
 
 /// kube-proxy's answer, byte for byte (`hcHandler.ServeHTTP`): 200 when the Service has a ready

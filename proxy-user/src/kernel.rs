@@ -5,6 +5,7 @@
 //! is attached through a bpf_link pinned under `--bpffs/links`. A restarted or upgraded agent
 //! swaps the program inside an existing link atomically (BPF_LINK_UPDATE) instead of detaching.
 
+use std::collections::HashSet;
 use std::ffi::CString;
 use std::fs;
 use std::io;
@@ -98,6 +99,10 @@ pub enum DatapathError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot read the kernel programs' log")]
+    KernelLog(#[source] aya_log::Error),
+    #[error("cannot wait for the kernel programs' log")]
+    KernelLogPoll(#[source] io::Error),
     #[error("cannot {action} link {path}")]
     Link {
         action: &'static str,
@@ -144,7 +149,7 @@ struct MapLayout {
     max_entries: u32,
 }
 
-fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 18] {
+fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 20] {
     use std::mem::size_of;
     let size = |n: usize| n as u32;
     [
@@ -268,6 +273,20 @@ fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 18] {
             max_entries: capacity::FRAG6,
         },
         MapLayout {
+            name: map_name::SOCK_FLOW4,
+            map_type: MapType::LruHash,
+            key_size: size(size_of::<proxy_abi::SockFlowKey4>()),
+            value_size: size(size_of::<proxy_abi::SockFlow>()),
+            max_entries: capacity::SOCK_FLOW4,
+        },
+        MapLayout {
+            name: map_name::SOCK_FLOW6,
+            map_type: MapType::LruHash,
+            key_size: size(size_of::<proxy_abi::SockFlowKey6>()),
+            value_size: size(size_of::<proxy_abi::SockFlow>()),
+            max_entries: capacity::SOCK_FLOW6,
+        },
+        MapLayout {
             name: map_name::CONFIG,
             map_type: MapType::Array,
             key_size: 4,
@@ -337,6 +356,37 @@ fn check_pinned_layouts(dir: &Path, caps: &MapCapacities) -> Result<(), Datapath
 pub struct Datapath {
     _ebpf: Ebpf,
     pub maps: KernelMaps,
+}
+
+impl Datapath {
+    /// Prints what the kernel programs log (aya-log: only their rare failure paths, such as a
+    /// failed rewrite or route lookup with the helper's return code, or no free SNAT port) as
+    /// the agent's own log lines, with the programs' module as target, for as long as the agent
+    /// runs. Call once every program is loaded: it takes the log ring buffer out of the object.
+    /// Records written while no agent runs stay in the ring until it is full, and are lost with
+    /// it when the programs are replaced.
+    pub fn forward_kernel_log(&mut self) -> Result<(), DatapathError> {
+        let logger = aya_log::EbpfLogger::init(&mut self._ebpf).map_err(DatapathError::KernelLog)?;
+        // SAFETY: the descriptor is the ring buffer map's, owned by `logger`, which the AsyncFd
+        // owns for its whole life; `as_raw_fd` always returns that one.
+        let mut ring = unsafe { tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) }
+            .map_err(|error| DatapathError::KernelLogPoll(error.into_parts().1))?;
+        tokio::spawn(async move {
+            loop {
+                match ring.readable_mut().await {
+                    Ok(mut ready) => {
+                        ready.get_inner_mut().flush();
+                        ready.clear_ready();
+                    }
+                    Err(error) => {
+                        tracing::warn!("stopped reading the kernel programs' log: {error}");
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
 }
 
 /// Loads the object (reusing pinned maps), attaches every program to `cgroup` through a pinned
@@ -513,6 +563,20 @@ fn typed<K: aya::Pod, V: aya::Pod>(map: Map, name: &'static str) -> Result<HashM
 }
 
 impl KernelMaps {
+    /// Every entry of both service maps, in the maps' order, without copying them out.
+    fn for_each_service(&self, mut f: impl FnMut(SvcKey, ServiceValue4)) -> Result<(), MapError> {
+        let iterate = |name, e| MapError::from_io(name, "iterate", aya_io_error(e));
+        for entry in self.services.iter() {
+            let (key, value) = entry.map_err(|e| iterate(map_name::SERVICES4, e))?;
+            f(SvcKey::V4(key), value);
+        }
+        for entry in self.services6.iter() {
+            let (key, value) = entry.map_err(|e| iterate(map_name::SERVICES6, e))?;
+            f(SvcKey::V6(key), value);
+        }
+        Ok(())
+    }
+
     fn from_ebpf(ebpf: &mut Ebpf) -> Result<Self, DatapathError> {
         let mut take = |name: &'static str| ebpf.take_map(name).ok_or(DatapathError::Missing { kind: "map", name });
         Ok(Self {
@@ -585,9 +649,9 @@ fn write_result(name: &'static str, op: &'static str, result: Result<(), aya::ma
 
 impl LbMaps for KernelMaps {
     fn services(&self) -> Result<Vec<(SvcKey, ServiceValue4)>, MapError> {
-        let v4 = dump_map(&self.services, map_name::SERVICES4)?.into_iter().map(|(k, v)| (SvcKey::V4(k), v));
-        let v6 = dump_map(&self.services6, map_name::SERVICES6)?.into_iter().map(|(k, v)| (SvcKey::V6(k), v));
-        Ok(v4.chain(v6).collect())
+        let mut entries = Vec::new();
+        self.for_each_service(|key, value| entries.push((key, value)))?;
+        Ok(entries)
     }
     fn backends(&self) -> Result<Vec<(BackendId, BackendValue)>, MapError> {
         let v4 = dump_map(&self.backends, map_name::BACKENDS4)?.into_iter().map(|(k, v)| (k, BackendValue::V4(v)));
@@ -705,47 +769,92 @@ pub fn affinity_entries(bpffs: &Path) -> Result<Vec<(proxy_abi::AffinityKey4, pr
 pub struct PurgedFlows {
     pub affinity: usize,
     pub udp_conntrack: usize,
+    /// Unconnected UDP sockets' remembered backends (`epx_sflow*`).
+    pub udp_sockets: usize,
 }
 
-/// Deletes the session-affinity entries and the UDP conntrack entries that point at a backend
+/// Deletes the session-affinity entries, the UDP conntrack entries and the unconnected UDP
+/// sockets' remembered backends that point at a backend
 /// which is no longer one of its frontend's backends, so that those clients and flows pick a live
 /// backend at their next packet. What is live is read from the pinned service map itself.
 /// TCP conntrack is kept: an established TCP connection to a removed (terminating) backend goes
 /// on until it ends, as with kube-proxy, which flushes conntrack for UDP only.
 pub fn purge_stale_flows(bpffs: &Path) -> Result<PurgedFlows, DatapathError> {
-    let maps = KernelMaps::open_pinned(bpffs)?;
-    let services = maps.services().map_err(DatapathError::ReadServices)?;
-    // (rev_nat_id, backend_id) pairs in use: a slot's frontend is its slot-0 entry.
-    let rev_nat_of: std::collections::HashMap<SvcKey, RevNatId> =
-        services.iter().filter(|(k, _)| k.slot() == 0).map(|(k, v)| (*k, v.rev_nat_id)).collect();
-    let live: std::collections::HashSet<(RevNatId, BackendId)> = services
-        .iter()
-        .filter(|(k, _)| k.slot() != 0)
-        .filter_map(|(k, v)| Some((*rev_nat_of.get(&k.with_slot(0))?, v.backend_id)))
-        .collect();
-
-    let live_pair = |rev_nat_id: RevNatId, backend_id: BackendId| live.contains(&(rev_nat_id, backend_id));
+    let mut affinity = open_pinned_hash::<proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>(bpffs, map_name::AFFINITY4)?;
+    let mut ct4 = open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?;
+    let mut ct6 = open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?;
+    // The flows that may be stale, each with the (reverse-NAT id, backend id) it points at:
+    // usually few, and then the service map (at 30 000 Services, 660 000 entries) is not read.
     let udp = proxy_abi::IPPROTO_UDP;
+    let mut sock4 = open_pinned_hash::<proxy_abi::SockFlowKey4, proxy_abi::SockFlow>(bpffs, map_name::SOCK_FLOW4)?;
+    let mut sock6 = open_pinned_hash::<proxy_abi::SockFlowKey6, proxy_abi::SockFlow>(bpffs, map_name::SOCK_FLOW6)?;
+    let affinity_flows = flows(&affinity, |k, v| Some((k.rev_nat_id, v.backend_id)));
+    let udp4 = flows(&ct4, |k, v| (k.proto == udp).then_some((v.rev_nat_id, v.backend_id)));
+    let udp6 = flows(&ct6, |k, v| (k.proto == udp).then_some((v.rev_nat_id, v.backend_id)));
+    let sock_flows4 = flows(&sock4, |_, v| Some((v.rev_nat_id, v.backend_id)));
+    let sock_flows6 = flows(&sock6, |_, v| Some((v.rev_nat_id, v.backend_id)));
+    let pointed: HashSet<(RevNatId, BackendId)> = affinity_flows
+        .iter()
+        .map(|f| f.1)
+        .chain(udp4.iter().map(|f| f.1))
+        .chain(udp6.iter().map(|f| f.1))
+        .chain(sock_flows4.iter().map(|f| f.1))
+        .chain(sock_flows6.iter().map(|f| f.1))
+        .collect();
+    if pointed.is_empty() {
+        return Ok(PurgedFlows::default());
+    }
+    let live = live_pairs(&KernelMaps::open_pinned(bpffs)?, &pointed).map_err(DatapathError::ReadServices)?;
     Ok(PurgedFlows {
-        affinity: remove_where(
-            &mut open_pinned_hash::<proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>(bpffs, map_name::AFFINITY4)?,
-            |k, v| !live_pair(k.rev_nat_id, v.backend_id),
-        ),
-        udp_conntrack: remove_where(&mut open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?, |k, v| {
-            k.proto == udp && !live_pair(v.rev_nat_id, v.backend_id)
-        }) + remove_where(&mut open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?, |k, v| {
-            k.proto == udp && !live_pair(v.rev_nat_id, v.backend_id)
-        }),
+        affinity: remove_stale(&mut affinity, &affinity_flows, &live),
+        udp_conntrack: remove_stale(&mut ct4, &udp4, &live) + remove_stale(&mut ct6, &udp6, &live),
+        udp_sockets: remove_stale(&mut sock4, &sock_flows4, &live) + remove_stale(&mut sock6, &sock_flows6, &live),
     })
 }
 
-/// Removes the entries `stale` picks from a live map; returns how many it removed. An entry the
-/// kernel evicted or expired meanwhile is not counted, and is fine either way.
-fn remove_where<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, stale: impl Fn(&K, &V) -> bool) -> usize {
-    remove_where_counting(map, stale).1
+/// The entries of a flow map `pair` picks, with the (reverse-NAT id, backend id) each points at.
+fn flows<K: aya::Pod, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+    pair: impl Fn(&K, &V) -> Option<(RevNatId, BackendId)>,
+) -> Vec<(K, (RevNatId, BackendId))> {
+    map.iter().filter_map(Result::ok).filter_map(|(k, v)| Some((k, pair(&k, &v)?))).collect()
 }
 
-/// [`remove_where`], also returning how many entries it looked at: (scanned, removed).
+/// Removes the flows whose pair is not live; returns how many it removed (one the kernel
+/// evicted or expired meanwhile is not counted, and is fine either way).
+fn remove_stale<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    flows: &[(K, (RevNatId, BackendId))],
+    live: &HashSet<(RevNatId, BackendId)>,
+) -> usize {
+    flows.iter().filter(|(key, pair)| !live.contains(pair) && map.remove(key).is_ok()).count()
+}
+
+/// Which of `pointed`'s (reverse-NAT id, backend id) pairs the service map holds: a slot's
+/// frontend is its slot-0 entry. Streams the map twice instead of copying it.
+fn live_pairs(maps: &KernelMaps, pointed: &HashSet<(RevNatId, BackendId)>) -> Result<HashSet<(RevNatId, BackendId)>, MapError> {
+    let rev_nat_ids: HashSet<RevNatId> = pointed.iter().map(|(id, _)| *id).collect();
+    let mut frontends: std::collections::HashMap<SvcKey, RevNatId> = std::collections::HashMap::new();
+    maps.for_each_service(|key, value| {
+        if key.slot() == 0 && rev_nat_ids.contains(&value.rev_nat_id) {
+            frontends.insert(key, value.rev_nat_id);
+        }
+    })?;
+    let mut live = HashSet::new();
+    maps.for_each_service(|key, value| {
+        if key.slot() != 0 {
+            if let Some(rev_nat_id) = frontends.get(&key.with_slot(0)) {
+                if pointed.contains(&(*rev_nat_id, value.backend_id)) {
+                    live.insert((*rev_nat_id, value.backend_id));
+                }
+            }
+        }
+    })?;
+    Ok(live)
+}
+
+/// Removes the entries `stale` picks from a live map: (entries looked at, entries removed). An
+/// entry the kernel evicted or expired meanwhile is not counted, and is fine either way.
 fn remove_where_counting<K: aya::Pod, V: aya::Pod>(
     map: &mut HashMap<MapData, K, V>,
     stale: impl Fn(&K, &V) -> bool,
@@ -870,26 +979,29 @@ pub fn carry_over_v1_conntrack(bpffs: &Path) -> Result<usize, DatapathError> {
     if bpffs.join("epx_ct4_v1").exists() {
         let old = open_pinned_hash::<CtKey4, CtEntry4V1>(bpffs, "epx_ct4_v1")?;
         let mut new = open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?;
-        copied += copy_converted(&old, &mut new, map_name::CT4)?;
+        copied += copy_converted(&old, &mut new, map_name::CT4, |k, v| Some((k, v.into())))?;
     }
     if bpffs.join("epx_ct6_v1").exists() {
         let old = open_pinned_hash::<CtKey6, CtEntry6V1>(bpffs, "epx_ct6_v1")?;
         let mut new = open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?;
-        copied += copy_converted(&old, &mut new, map_name::CT6)?;
+        copied += copy_converted(&old, &mut new, map_name::CT6, |k, v| Some((k, v.into())))?;
     }
     Ok(copied)
 }
 
-fn copy_converted<K: aya::Pod, Old: aya::Pod, New: aya::Pod + From<Old>>(
-    old: &HashMap<MapData, K, Old>,
+/// Copies the entries of a map of an earlier layout into this build's, each through `convert`
+/// (`None`: not carried over); returns how many it copied.
+fn copy_converted<OldK: aya::Pod, Old: aya::Pod, K: aya::Pod, New: aya::Pod>(
+    old: &HashMap<MapData, OldK, Old>,
     new: &mut HashMap<MapData, K, New>,
     name: &'static str,
+    convert: impl Fn(OldK, Old) -> Option<(K, New)>,
 ) -> Result<usize, DatapathError> {
     let mut copied = 0;
-    for (key, value) in old.iter().filter_map(Result::ok) {
-        // BPF_NOEXIST: a flow the new programs already track keeps its new entry.
-        const BPF_NOEXIST: u64 = 1;
-        match new.insert(key, New::from(value), BPF_NOEXIST) {
+    for (key, value) in old.iter().filter_map(Result::ok).filter_map(|(k, v)| convert(k, v)) {
+        // BPF_NOEXIST: what the new programs already wrote (a flow they track, a client they
+        // placed) keeps its new entry.
+        match new.insert(key, value, BPF_NOEXIST) {
             Ok(()) => copied += 1,
             Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
             Err(source) => return Err(DatapathError::MapWrite { name, source }),
@@ -897,6 +1009,51 @@ fn copy_converted<K: aya::Pod, Old: aya::Pod, New: aya::Pod + From<Old>>(
     }
     Ok(copied)
 }
+
+/// A session-affinity key of the layout before `epx_aff4_v2` (the client in 64 bits).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AffinityKey4V1 {
+    pub client: u64,
+    pub rev_nat_id: u16,
+    pub kind: u8,
+    pub pad: [u8; 5],
+}
+const _: () = assert!(std::mem::size_of::<AffinityKey4V1>() == 16);
+// SAFETY: repr(C) plain integers with explicit padding (size asserted above).
+unsafe impl aya::Pod for AffinityKey4V1 {}
+
+impl AffinityKey4V1 {
+    /// The same client in the v2 layout; `None` for an IPv6 client, which v1 folded to 64 bits
+    /// (that client picks a backend again at its next connection).
+    fn to_v2(self) -> Option<proxy_abi::AffinityKey4> {
+        use proxy_abi::affinity::{ip4_client, netns_client, CLIENT_IP4, CLIENT_NETNS};
+        let client = match self.kind {
+            CLIENT_NETNS => netns_client(self.client),
+            CLIENT_IP4 => ip4_client(self.client as u32),
+            _ => return None,
+        };
+        Some(proxy_abi::AffinityKey4 { client, rev_nat_id: self.rev_nat_id, kind: self.kind, pad: [0; 5] })
+    }
+}
+
+/// Copies the session-affinity entries of the previous layout (`epx_aff4_v1`) into this build's
+/// map, so that an upgrade keeps pods and IPv4 clients on their backends; IPv6 clients' entries
+/// cannot be unfolded and are left behind. Called, as [`carry_over_v1_conntrack`], before the
+/// old map is unpinned; an entry the new programs already wrote is kept. Returns how many it
+/// copied.
+pub fn carry_over_v1_affinity(bpffs: &Path) -> Result<usize, DatapathError> {
+    const OLD: &str = "epx_aff4_v1";
+    if !bpffs.join(OLD).exists() {
+        return Ok(0);
+    }
+    let old = open_pinned_hash::<AffinityKey4V1, proxy_abi::AffinityValue4>(bpffs, OLD)?;
+    let mut new = open_pinned_hash::<proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>(bpffs, map_name::AFFINITY4)?;
+    copy_converted(&old, &mut new, map_name::AFFINITY4, |key, value| Some((key.to_v2()?, value)))
+}
+
+/// `BPF_NOEXIST`: insert only where the key is not there yet.
+const BPF_NOEXIST: u64 = 1;
 
 /// Unpins the maps of earlier layouts (`map_name::OBSOLETE`) that no program of this build
 /// uses; returns the paths removed. Called once this build's programs are attached, so the old

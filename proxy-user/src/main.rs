@@ -143,15 +143,17 @@ pub struct AgentArgs {
     /// How often a file source is checked for changes.
     #[arg(long, default_value = "200ms", value_parser = parse_duration)]
     pub poll_interval: Duration,
-    /// Capacity of the service map: one entry per frontend (Service IP × port × scope) and one
-    /// per backend slot, frontends × (1 + backends). The default holds about 6 000 Services
-    /// with 10 endpoints; 30 000 single-port Services with 10 endpoints need 330 000 entries,
-    /// e.g. `--map-size-services 524288` (the kernel reserves a hash map's memory when it is
+    /// Capacity of the service map: one entry per frontend (Service IP × port × scope: every
+    /// address is a frontend for the node's own sockets and for traffic from outside) and one
+    /// per backend slot, frontends × (1 + backends). The default holds about 3 000 Services
+    /// with 10 endpoints; 30 000 single-port Services with 10 endpoints need 660 000 entries,
+    /// e.g. `--map-size-services 1048576` (the kernel reserves a hash map's memory when it is
     /// created, so the default stays small).
     #[arg(long, default_value_t = proxy_abi::capacity::SERVICES4)]
     pub map_size_services: u32,
     /// Capacity of the backend map: one entry per distinct endpoint address and port, however
-    /// many Services share it.
+    /// many Services share it (30 000 Services of 10 pods each of their own: 300 000, e.g.
+    /// `--map-size-backends 524288`).
     #[arg(long, default_value_t = proxy_abi::capacity::BACKENDS4)]
     pub map_size_backends: u32,
     /// Capacity of the reverse-NAT map (one entry per frontend).
@@ -193,6 +195,12 @@ pub struct AgentArgs {
     /// binary (a hotfix or an upgrade test). The attached programs are swapped atomically.
     #[arg(long)]
     pub bpf_object: Option<PathBuf>,
+    /// Attach the datapath, program it from the checkpoint if the pinned maps are empty (a
+    /// reboot), and exit without contacting the source: the boot path, run before the API server
+    /// answers (e.g. as a static pod). It waits for the node lock like any agent, and the agent
+    /// that starts later adopts what it left.
+    #[arg(long)]
+    pub restore_only: bool,
 }
 
 #[derive(Clone, Debug)]

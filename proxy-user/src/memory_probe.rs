@@ -11,7 +11,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
-use crate::desired::{Changes, ClusterState, Incremental, NodeConfig, Slice};
+use crate::desired::{Changes, ClusterState, Incremental, NodeConfig, ServiceInfo, Slice};
 use crate::lbmap::FakeMaps;
 use crate::reconcile::Reconciler;
 use crate::source::kube::Trim;
@@ -40,8 +40,8 @@ fn live_mib() -> f64 {
     LIVE.load(Ordering::Relaxed) as f64 / (1024.0 * 1024.0)
 }
 
-/// A Service as the API serves it, trimmed as the kube source trims it.
-fn service(i: usize) -> Service {
+/// A Service as the API serves it, trimmed and converted as the kube source does.
+fn service(i: usize) -> ServiceInfo {
     let ip = format!("10.{}.{}.{}", 96 + i / 65_536, (i / 256) % 256, i % 256);
     serde_json::from_value(serde_json::json!({
         "metadata": {"name": format!("svc-{i}"), "namespace": "bench", "resourceVersion": format!("{}", 100_000 + i)},
@@ -55,7 +55,7 @@ fn service(i: usize) -> Service {
     }))
     .map(|mut service: Service| {
         service.trim();
-        service
+        service.into()
     })
     .expect("service")
 }
@@ -121,4 +121,5 @@ fn memory_at_30000_services_of_10_endpoints() {
         fake_maps,
         reconciled - start - fake_maps,
     );
+    eprintln!("the reconciler's parts, MiB: {:?}", reconciler.drop_measured(live_mib).iter().map(|(name, mib)| format!("{name} {mib:.1}")).collect::<Vec<_>>());
 }

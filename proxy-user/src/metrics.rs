@@ -12,7 +12,6 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -23,7 +22,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, linear_buckets,
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Metric, Registry};
 
-use crate::desired::{ClusterState, Rejection, ServicePortName, Slice};
+use crate::desired::{ClusterState, Rejection, ServiceInfo, ServicePortName, Slice};
 use crate::kernel::DatapathError;
 use crate::source::SourceHealth;
 
@@ -291,10 +290,10 @@ pub struct ObjectChanges {
 
 impl ObjectChanges {
     pub fn between(previous: &ClusterState, current: &ClusterState) -> Self {
-        fn changed<T: PartialEq>(before: &[Arc<T>], after: &[Arc<T>], meta: fn(&T) -> &ObjectMeta) -> BTreeSet<(String, String)> {
+        fn changed<T: PartialEq>(before: &[Arc<T>], after: &[Arc<T>], name: fn(&T) -> (&str, &str)) -> BTreeSet<(String, String)> {
             let key = |object: &Arc<T>| {
-                let meta = meta(object);
-                (meta.namespace.clone().unwrap_or_default(), meta.name.clone().unwrap_or_default())
+                let (namespace, name) = name(object);
+                (namespace.to_owned(), name.to_owned())
             };
             let before: BTreeMap<_, &Arc<T>> = before.iter().map(|o| (key(o), o)).collect();
             let after: BTreeMap<_, &Arc<T>> = after.iter().map(|o| (key(o), o)).collect();
@@ -305,16 +304,8 @@ impl ObjectChanges {
             removed.chain(added_or_changed).cloned().collect()
         }
         Self {
-            services: changed(&previous.services, &current.services, |s| &s.metadata),
-            slices: {
-                let names = |slices: &[Arc<Slice>]| -> BTreeMap<(String, String), Arc<Slice>> {
-                    slices.iter().map(|s| ((s.namespace.clone(), s.name.clone()), s.clone())).collect()
-                };
-                let (before, after) = (names(&previous.slices), names(&current.slices));
-                let removed = before.keys().filter(|k| !after.contains_key(*k));
-                let changed = after.iter().filter(|(k, s)| before.get(*k).is_none_or(|b| !Arc::ptr_eq(b, s) && b != *s));
-                removed.chain(changed.map(|(k, _)| k)).cloned().collect()
-            },
+            services: changed(&previous.services, &current.services, |s| (&s.namespace, &s.name)),
+            slices: changed(&previous.slices, &current.slices, |s| (&s.namespace, &s.name)),
         }
     }
 }
@@ -363,8 +354,8 @@ pub fn change_times(
             None => without_time = true,
         }
     }
-    fn by_name(state: &ClusterState) -> BTreeMap<(Option<&String>, Option<&String>), &k8s_openapi::api::core::v1::Service> {
-        state.services.iter().map(|s| ((s.metadata.namespace.as_ref(), s.metadata.name.as_ref()), &**s)).collect()
+    fn by_name(state: &ClusterState) -> BTreeMap<(&String, &String), &ServiceInfo> {
+        state.services.iter().map(|s| ((&s.namespace, &s.name), &**s)).collect()
     }
     if by_name(previous) != by_name(current) || previous.node != current.node {
         without_time = true;

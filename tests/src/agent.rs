@@ -412,3 +412,29 @@ impl Drop for Agent {
         }
     }
 }
+
+/// Creates a pinned LRU hash map at `path` with the given layout, as an agent of an earlier
+/// build left it (aya 0.14 creates maps only from an object).
+pub fn pin_lru_map(path: &std::path::Path, name: &str, key_size: u32, value_size: u32, max_entries: u32) {
+    use std::os::unix::ffi::OsStrExt;
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    const BPF_OBJ_PIN: libc::c_long = 6;
+    const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+    let mut attr = [0u8; 128];
+    for (offset, value) in [(0, BPF_MAP_TYPE_LRU_HASH), (4, key_size), (8, value_size), (12, max_entries)] {
+        attr[offset..offset + 4].copy_from_slice(&value.to_ne_bytes());
+    }
+    attr[28..28 + name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: bpf(2) with a zeroed attribute block of the size the kernel accepts.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, attr.as_ptr(), attr.len() as u32) };
+    assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path");
+    let mut attr = [0u8; 128];
+    attr[0..8].copy_from_slice(&(path.as_ptr() as u64).to_ne_bytes());
+    attr[8..12].copy_from_slice(&(fd as u32).to_ne_bytes());
+    // SAFETY: as above; `path` outlives the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, attr.as_ptr(), attr.len() as u32) };
+    assert_eq!(rc, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
+    // SAFETY: our descriptor; the pin holds the map.
+    unsafe { libc::close(fd as i32) };
+}

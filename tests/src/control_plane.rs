@@ -84,6 +84,8 @@ pub struct ControlPlane {
     etcd_netns: PathBuf,
     /// Kept to start the apiserver again: it enters the pod's namespace and the topology's cgroup.
     apiserver_cmd: Command,
+    /// Kept to start etcd again, as `apiserver_cmd`.
+    etcd_cmd: Command,
     forwarder: Forwarder,
     client: kube::Client,
     runtime: tokio::runtime::Runtime,
@@ -184,6 +186,7 @@ impl ControlPlane {
             etcd,
             apiserver,
             apiserver_cmd,
+            etcd_cmd,
             node_netns: topology.node.path(),
             etcd_netns: topology.pod(POD).netns.path(),
             forwarder,
@@ -316,10 +319,7 @@ impl ControlPlane {
     /// Kills kube-apiserver (SIGKILL: the master fails, as in a crash or a lost machine); etcd
     /// keeps running.
     pub fn stop_apiserver(&mut self) -> anyhow::Result<()> {
-        let mut child = self.apiserver.take().context("kube-apiserver is not running")?;
-        child.kill().context("killing kube-apiserver")?;
-        child.wait().context("reaping kube-apiserver")?;
-        Ok(())
+        kill_process(&mut self.apiserver, "kube-apiserver")
     }
 
     /// Starts kube-apiserver again (same flags, same etcd) and waits until it is ready.
@@ -332,6 +332,22 @@ impl ControlPlane {
         self.wait_ready()?;
         eprintln!("kube-apiserver ready again in {:.1?}", started.elapsed());
         Ok(())
+    }
+
+    /// Kills etcd and kube-apiserver (SIGKILL, apiserver first): the whole master is gone.
+    pub fn stop_master(&mut self) -> anyhow::Result<()> {
+        self.stop_apiserver()?;
+        kill_process(&mut self.etcd, "etcd")
+    }
+
+    /// Starts etcd (same data) and kube-apiserver again after [`ControlPlane::stop_master`], and
+    /// waits until the API server is ready.
+    pub fn start_master(&mut self) -> anyhow::Result<()> {
+        if self.etcd.is_some() {
+            bail!("etcd is already running");
+        }
+        self.etcd = Some(self.etcd_cmd.spawn().context("starting etcd")?);
+        self.start_apiserver()
     }
 
     /// Writes a kubeconfig for [`ControlPlane::url`] that authenticates with `token`.
@@ -678,4 +694,12 @@ fn etcd_post(addr: SocketAddr, path: &str, body: &str) -> anyhow::Result<serde_j
         body.to_owned()
     };
     serde_json::from_str(body.trim()).with_context(|| format!("etcd {path} answered {body}"))
+}
+
+/// SIGKILLs and reaps the process in `slot`, leaving it empty.
+fn kill_process(slot: &mut Option<Child>, name: &str) -> anyhow::Result<()> {
+    let mut child = slot.take().with_context(|| format!("{name} is not running"))?;
+    child.kill().with_context(|| format!("killing {name}"))?;
+    child.wait().with_context(|| format!("reaping {name}"))?;
+    Ok(())
 }

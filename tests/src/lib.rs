@@ -11,6 +11,8 @@
 //!   in a pod of a topology, reachable from the host's loopback, with blocking apply/delete.
 //! - [`node`]: a real single-node Kubernetes on that control plane: kube-controller-manager,
 //!   kube-scheduler, kubelet on containerd/runc/CNI, locally built images, CoreDNS as kube-dns.
+//! - [`daemonset`]: the agent's DaemonSet from `deploy/` on a [`node`]: the image from
+//!   deploy/Containerfile's runtime stage, the manifests with one documented substitution.
 //! - [`debian_image`]: the `debian:<suite>` base image made with debootstrap, under its official name.
 //! - [`dns`]: a minimal DNS client and resolv.conf reader (`epx-probe dns` in pods).
 //! - [`kube_proxy`]: the real upstream kube-proxy (iptables or nftables mode) in a node namespace.
@@ -26,6 +28,7 @@
 pub mod agent;
 pub mod bpf_test_run;
 pub mod control_plane;
+pub mod daemonset;
 pub mod debian_image;
 pub mod dns;
 pub mod flood;
@@ -46,10 +49,23 @@ use std::sync::atomic::{AtomicU32, Ordering};
 pub const PREFIX: &str = "epxt";
 
 /// A short id unique to this process and call: namespaces and cgroups are named after it.
+/// `<pid>p<n>`: a sweep after a killed run can tell whose a leftover is ([`owner_alive`]).
 pub fn unique_id() -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    format!("{}{}", std::process::id() % 100_000, n)
+    format!("{}p{n}", std::process::id())
+}
+
+/// Whether the resource named `name` (`epxt-<id>...`, `<id>` from [`unique_id`]) belongs to a
+/// process still running: a sweep leaves those alone, so one run never tears down another's
+/// namespaces (two developers, or a test binary run by hand during `cargo xtask test`). A name
+/// without an id of that form is a leftover.
+pub fn owner_alive(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix(PREFIX).and_then(|r| r.strip_prefix('-')) else { return false };
+    let id = rest.split('-').next().unwrap_or_default();
+    let Some((pid, n)) = id.split_once('p') else { return false };
+    let (Ok(pid), Ok(_)) = (pid.parse::<u32>(), n.parse::<u32>()) else { return false };
+    pid != 0 && std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
 /// Where `ebpf-proxy` and `epx-probe` are: `$EPX_BIN_DIR`, else `target/release`.
@@ -103,4 +119,21 @@ pub fn shared_libraries(binary: &std::path::Path) -> anyhow::Result<Vec<PathBuf>
         }
     }
     Ok(libraries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sweep_knows_the_resources_of_running_tests_from_leftovers() {
+        let mine = format!("{PREFIX}-{}-node", unique_id());
+        assert!(owner_alive(&mine), "{mine}");
+        assert!(owner_alive(&format!("{PREFIX}-{}", unique_id())));
+        // pid_max is at most 2^22: no process has this pid.
+        assert!(!owner_alive(&format!("{PREFIX}-99999999p0-node")));
+        for leftover in ["epxt-123450-node", "epxt-mem0", "epxt-", "other-1p0", "epxt-p1", "epxt-0p1"] {
+            assert!(!owner_alive(leftover), "{leftover}");
+        }
+    }
 }

@@ -88,6 +88,8 @@ const PRIVATE_HOST_DIRS: &[(&str, &str)] = &[
     ("/var/log/pods", "var-log-pods"),
     ("/var/log/containers", "var-log-containers"),
 ];
+/// The master's processes besides etcd and kube-apiserver ([`ControlPlane`]'s).
+const CONTROLLERS: [&str; 2] = ["kube-controller-manager", "kube-scheduler"];
 const NODE_READY_TIMEOUT: Duration = Duration::from_secs(120);
 const COREDNS_READY_TIMEOUT: Duration = Duration::from_secs(120);
 const LOG_TAIL_LINES: usize = 30;
@@ -384,7 +386,7 @@ imageGCLowThresholdPercent: 99
             // Its default, /usr/libexec/kubernetes/kubelet-plugins/volume/exec, is created at start.
             format!("--flex-volume-plugin-dir={}", self.path("volume-plugins").display()),
         ];
-        let controllers: [(&'static str, &[String]); 2] = [("kube-controller-manager", &manager_args), ("kube-scheduler", &[])];
+        let controllers: [(&'static str, &[String]); 2] = [(CONTROLLERS[0], &manager_args), (CONTROLLERS[1], &[])];
         for (name, args) in controllers {
             let mut cmd = Command::new(peers.join(name));
             self.enter_node(&mut cmd, &topology.pod(POD).netns.path(), None)?;
@@ -394,6 +396,20 @@ imageGCLowThresholdPercent: 99
             self.spawn(name, cmd)?;
         }
         Ok(())
+    }
+
+    /// Kills kube-controller-manager and kube-scheduler (SIGKILL), as a master failure does.
+    pub fn stop_controllers(&mut self) {
+        for name in CONTROLLERS {
+            if let Some(index) = self.processes.iter().position(|(n, _)| *n == name) {
+                kill(self.processes.remove(index).1);
+            }
+        }
+    }
+
+    /// Starts kube-controller-manager and kube-scheduler again after [`Node::stop_controllers`].
+    pub fn start_controllers_again(&mut self, topology: &Topology, cp: &ControlPlane) -> anyhow::Result<()> {
+        self.start_controllers(topology, cp, &peers_dir())
     }
 
     /// Starts `cmd` with its output in `<dir>/<name>.log`, and keeps it to kill on drop.
@@ -416,6 +432,11 @@ imageGCLowThresholdPercent: 99
         for (host_dir, private) in PRIVATE_HOST_DIRS {
             script.push_str(&format!("mount --bind '{}' '{host_dir}'\n", self.path("host").join(private).display()));
         }
+        // The node's directory is a shared mount in this namespace, as `/` is on a systemd host:
+        // a pod's `mountPropagation: Bidirectional` volume below it (the agent's bpffs) needs
+        // that, and its mounts then reach kubelet and later containers, never the host.
+        let dir = self.dir.display();
+        script.push_str(&format!("mount --bind '{dir}' '{dir}'\nmount --make-shared '{dir}'\n"));
         script.push_str(&format!("exec {CONTAINERD} --config '{}'\n", self.path("containerd/config.toml").display()));
         let mut cmd = Command::new("unshare");
         // Slave: the host's later mounts (bpffs, cgroups) still show inside, none of ours leak out.
@@ -535,7 +556,6 @@ imageGCLowThresholdPercent: 99
             (&images.probe, crate::bin("epx-probe"), "/usr/local/bin/epx-probe"),
             (&images.coredns, peers.join("coredns"), "/coredns"),
         ];
-        let storage = self.path("buildah");
         let buildah = |args: &[&str]| self.buildah(topology, args);
         for (reference, binary, entrypoint) in builds {
             let container = buildah(&["from", "scratch"])?;
@@ -546,19 +566,30 @@ imageGCLowThresholdPercent: 99
             }
             buildah(&["config", "--entrypoint", &format!("[\"{entrypoint}\"]"), &container])?;
             buildah(&["commit", "--rm", &container, reference])?;
-            let archive = storage.join(format!("{}.tar", reference.replace(['/', ':'], "_")));
-            buildah(&["push", reference, &format!("oci-archive:{}:{reference}", archive.display())])?;
-            self.ctr(&["images", "import", &archive.display().to_string()])?;
-            let listed = self.ctr(&["images", "ls", "-q"])?;
-            if !String::from_utf8_lossy(&listed.stdout).lines().any(|line| line == reference) {
-                bail!(
-                    "{reference} is not among containerd's images after importing {}: {}",
-                    archive.display(),
-                    String::from_utf8_lossy(&listed.stdout)
-                );
-            }
+            self.import_image(topology, reference)?;
         }
         Ok(images)
+    }
+
+    /// Side-loads `reference` from the node's buildah storage into containerd (as `kind load`):
+    /// written as an OCI archive, imported, and checked to be listed.
+    pub fn import_image(&self, topology: &Topology, reference: &str) -> anyhow::Result<()> {
+        let archive = self.path("buildah").join(format!("{}.tar", reference.replace(['/', ':'], "_")));
+        self.buildah(topology, &["push", reference, &format!("oci-archive:{}:{reference}", archive.display())])?;
+        self.ctr(&["images", "import", &archive.display().to_string()])?;
+        let _ = fs::remove_file(&archive);
+        let listed = self.ctr(&["images", "ls", "-q"])?;
+        if !String::from_utf8_lossy(&listed.stdout).lines().any(|line| line == reference) {
+            bail!("{reference} is not among containerd's images after importing it: {}", String::from_utf8_lossy(&listed.stdout));
+        }
+        Ok(())
+    }
+
+    /// `path` as containerd, kubelet and the pods' hostPath volumes see it: through containerd's
+    /// mount namespace, where mounts made for the node (the agent's bpffs) live.
+    pub fn node_view(&self, path: &Path) -> anyhow::Result<PathBuf> {
+        let relative = path.strip_prefix("/").unwrap_or(path);
+        Ok(PathBuf::from(format!("/proc/{}/root", self.pid_of("containerd")?)).join(relative))
     }
 
     /// kubelet in containerd's network and mount namespaces (its volume mounts must be where
@@ -676,7 +707,7 @@ pub fn sweep() {
     if let Ok(entries) = fs::read_dir(std::env::temp_dir()) {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with(&prefix) && name.ends_with("-node") {
+            if name.starts_with(&prefix) && name.ends_with("-node") && !crate::owner_alive(&name) {
                 if let Ok(text) = fs::read(entry.path().join("host-state.json")) {
                     if let Ok(state) = serde_json::from_slice::<HostState>(&text) {
                         states.push(state);
@@ -690,7 +721,7 @@ pub fn sweep() {
             if let Ok(entries) = fs::read_dir(&hierarchy) {
                 for entry in entries.flatten() {
                     let name = entry.file_name().to_string_lossy().into_owned();
-                    if name.starts_with(&prefix) && (name.ends_with("-node") || name.ends_with("-noded")) {
+                    if name.starts_with(&prefix) && (name.ends_with("-node") || name.ends_with("-noded")) && !crate::owner_alive(&name) {
                         kill_cgroup_everywhere(&name);
                     }
                 }
@@ -712,7 +743,23 @@ pub struct HostFootprint {
     sysctls: Vec<(String, String)>,
     host_dirs: Vec<(String, bool)>,
     mounts: Vec<String>,
+    /// The node cgroups of this process's nodes, and of killed runs.
     cgroups: Vec<PathBuf>,
+    /// Another process's node is running: kubelet's host directories and kernel settings are
+    /// shared with it, and only this process's cgroups can be compared.
+    shared: bool,
+}
+
+impl HostFootprint {
+    /// Panics, naming what differs, unless the host is as `before` found it.
+    pub fn assert_unchanged_since(&self, before: &HostFootprint) {
+        if self.shared || before.shared {
+            eprintln!("another test process runs a node: only this process's cgroups are compared");
+            assert_eq!(self.cgroups, before.cgroups, "the node left cgroups behind");
+        } else {
+            assert_eq!(self, before, "the node left the host changed");
+        }
+    }
 }
 
 pub fn host_footprint() -> anyhow::Result<HostFootprint> {
@@ -731,16 +778,20 @@ pub fn host_footprint() -> anyhow::Result<HostFootprint> {
         .map(str::to_owned)
         .collect();
     let prefix = format!("{}-", crate::PREFIX);
-    let mut cgroups = Vec::new();
+    let (mut cgroups, mut shared) = (Vec::new(), false);
     for hierarchy in cgroup_hierarchies()? {
         for entry in fs::read_dir(&hierarchy)?.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             if name.starts_with(&prefix) && (name.ends_with("-node") || name.ends_with("-noded")) {
-                cgroups.push(entry.path());
+                if crate::owner_alive(&name) && !name.starts_with(&format!("{prefix}{}p", std::process::id())) {
+                    shared = true;
+                } else {
+                    cgroups.push(entry.path());
+                }
             }
         }
     }
-    Ok(HostFootprint { sysctls, host_dirs, mounts, cgroups })
+    Ok(HostFootprint { sysctls, host_dirs, mounts, cgroups, shared })
 }
 
 fn restore_host(state: &HostState) {

@@ -128,11 +128,14 @@ pub struct Steady {
     pub tcp: Summary,
     pub udp: Summary,
     pub streams: Summary,
+    /// Short TCP connections to a name looked up before each (`--tcp-name`; empty without).
+    #[serde(default)]
+    pub by_name: Summary,
 }
 
 impl Steady {
     pub fn failed(&self) -> u32 {
-        self.tcp.failed + self.udp.failed + self.streams.failed
+        self.tcp.failed + self.udp.failed + self.streams.failed + self.by_name.failed
     }
 }
 

@@ -70,3 +70,43 @@ fn a_client_keeps_its_backend_within_the_timeout_spreads_after_it_and_moves_when
     assert!(stale.is_empty(), "affinity entries still point at the removed backend: {stale:#?}");
     assert!(agent.log_text().contains("purged flows of removed backends"), "{}", agent.log_text());
 }
+
+#[test]
+fn an_upgrade_from_the_v1_affinity_layout_keeps_a_pod_on_its_backend() {
+    use aya::maps::{HashMap, Map, MapData};
+    use proxy_abi::{AffinityKey4, AffinityValue4};
+    let (topo, _servers) = client_and_two_backends();
+    let dir = AgentDir::new(&topo.id).expect("agent dir");
+    let hour = with_affinity(&service("sticky", VIP), 3600);
+    dir.write_manifest(&format!("{hour}---\n{}", slice("sticky", &["10.244.1.11", "10.244.1.12"]))).expect("manifest");
+    let mut agent = Agent::start(&topo, &dir).expect("agent");
+    let tcp = |count| probe::tcp(&topo, "client", &format!("{VIP}:80"), count).expect("tcp probe");
+    let stuck = only_backend(&tcp(5));
+
+    // What the previous build would have left: the client's entry in an `epx_aff4_v1` map (the
+    // client in 64 bits), none in the new one.
+    agent.kill().expect("kill");
+    let v2_path = agent.bpffs.join(proxy_abi::map_name::AFFINITY4);
+    let mut v2: HashMap<MapData, AffinityKey4, AffinityValue4> =
+        HashMap::try_from(Map::LruHashMap(MapData::from_pin(&v2_path).expect("v2 map"))).expect("layout");
+    let entries: Vec<(AffinityKey4, AffinityValue4)> = v2.iter().filter_map(Result::ok).collect();
+    assert_eq!(entries.len(), 1, "the client's entry: {entries:?}");
+    let v1_path = agent.bpffs.join("epx_aff4_v1");
+    e2e::agent::pin_lru_map(&v1_path, "epx_aff4_v1", 16, 16, 1024);
+    let mut v1: HashMap<MapData, [u8; 16], AffinityValue4> =
+        HashMap::try_from(Map::LruHashMap(MapData::from_pin(&v1_path).expect("v1 map"))).expect("layout");
+    for (key, value) in &entries {
+        let mut old = [0u8; 16];
+        old[..8].copy_from_slice(&proxy_abi::affinity::netns_cookie(&key.client).to_ne_bytes());
+        old[8..10].copy_from_slice(&key.rev_nat_id.to_ne_bytes());
+        old[10] = key.kind;
+        v1.insert(old, value, 0).expect("v1 entry");
+        v2.remove(key).expect("v2 entry");
+    }
+    drop((v1, v2));
+
+    agent.restart().expect("restart");
+    agent.wait_for_log("carried the session-affinity entries of the previous layout over entries=1");
+    assert_eq!(only_backend(&tcp(15)), stuck, "the upgrade moved the client to another backend");
+    assert!(!v1_path.exists(), "the old map is unpinned once the new programs run");
+}

@@ -17,10 +17,11 @@ fn deploy_file(name: &str) -> String {
 #[test]
 fn deploy_manifests_pass_a_server_side_dry_run() {
     let mut topo = Topology::new().expect("topology");
-    let api = ControlPlane::start(&mut topo).expect("control plane");
+    // As any standard cluster (kubeadm's default): the bpffs init container is privileged.
+    let api = ControlPlane::start_with(&mut topo, &["--allow-privileged=true"]).expect("control plane");
     // The namespace must exist for the namespaced objects to be admitted, even in a dry run.
     api.apply("apiVersion: v1\nkind: Namespace\nmetadata: {name: ebpf-proxy}\n").expect("namespace");
-    for file in ["rbac.yaml", "daemonset.yaml"] {
+    for file in ["rbac.yaml", "daemonset.yaml", "uninstall.yaml"] {
         api.apply_dry_run(&deploy_file(file)).unwrap_or_else(|e| panic!("deploy/{file} rejected: {e:#}"));
     }
 }

@@ -258,11 +258,46 @@ fn an_external_ipv6_client_sticks_to_one_backend_of_an_external_ip_and_a_load_ba
         let dump = env.agent.dump().expect("dump");
         let affinity = dump["affinity"].as_array().expect("affinity");
         assert!(
-            affinity.iter().any(|a| a["client"].as_str().unwrap_or("").starts_with("ipv6-folded:")
-                && a["frontend"] == format!("[{ip}]:80").as_str()),
+            affinity.iter().any(|a| a["client"] == EXT_CLIENT_IP6 && a["frontend"] == format!("[{ip}]:80").as_str()),
             "an affinity entry for the IPv6 client: {affinity:#?}"
         );
     }
+}
+
+#[test]
+fn two_ipv6_clients_whose_addresses_fold_alike_get_independent_affinity() {
+    // EXT_CLIENT_IP6 with the same 64 bits XORed into both halves: the affinity key of layout v1
+    // (the address's halves XORed) was the same for both clients, so the second one was sent to
+    // the first one's backend as if it were the same client.
+    const CLIENT_B: &str = "fd00:192:168:2b0::f2";
+    let (env, client) = with_external_client();
+    client.netns.exec(&["ip", "-6", "addr", "add", &format!("{CLIENT_B}/64"), "dev", "eth0", "nodad"]).expect("address B");
+    env.topo.node.exec(&["ip", "-6", "route", "add", "fd00:192:168:2b0::/64", "dev", &client.node_interface]).expect("route to B");
+    env.agent.wait_for_external_frontend(LB_IP6, 80);
+    let connections_from = |source: &str| {
+        let route = format!("{LB_IP6}/128");
+        client.netns.exec(&["ip", "-6", "route", "replace", &route, "via", EXT_NODE_IP6, "src", source]).expect("route");
+        let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
+        let summary = probe::client_with(command, "tcp", &format!("[{LB_IP6}]:80"), 10).expect("probe");
+        assert_eq!((summary.ok, summary.answers.len()), (10, 1), "10 answers from one backend: {summary:?}");
+        summary
+    };
+    let hits = || e2e::agent::counter(&env.agent.dump().expect("dump"), "affinity_hit");
+
+    connections_from(EXT_CLIENT_IP6);
+    let hits_before_b = hits();
+    connections_from(CLIENT_B);
+    // B's first connection is a pick of its own, not a hit on A's entry; its nine others hit B's.
+    assert_eq!(hits() - hits_before_b, 9, "client B was taken for client A");
+    let dump = env.agent.dump().expect("dump");
+    let clients: Vec<&str> = dump["affinity"]
+        .as_array()
+        .expect("affinity")
+        .iter()
+        .filter(|a| a["frontend"] == format!("[{LB_IP6}]:80").as_str())
+        .filter_map(|a| a["client"].as_str())
+        .collect();
+    assert!(clients.contains(&EXT_CLIENT_IP6) && clients.contains(&CLIENT_B), "an entry per client: {clients:?}");
 }
 
 #[test]

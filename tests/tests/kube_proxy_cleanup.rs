@@ -236,7 +236,7 @@ trait StdinText {
 impl StdinText for Command {
     fn stdin_text(&mut self, text: &str) -> &mut Self {
         // `run` waits for the command; a temporary file keeps it free of pipe handling.
-        let path = std::env::temp_dir().join(format!("epxt-stdin-{}-{}", std::process::id(), e2e::unique_id()));
+        let path = std::env::temp_dir().join(format!("epxt-{}-stdin", e2e::unique_id()));
         std::fs::write(&path, text).expect("stdin file");
         let file = std::fs::File::open(&path).expect("stdin file");
         let _ = std::fs::remove_file(&path);

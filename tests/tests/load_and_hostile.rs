@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddrV4, TcpStream};
 use std::time::{Duration, Instant};
 
-use e2e::agent::{counter, Agent, AgentDir};
+use e2e::agent::{counter, pin_lru_map, Agent, AgentDir};
 use e2e::flood::{self, Link, RawSender, Rng};
 use e2e::kube_scenario::{node_port_service, slice};
 use e2e::probe::{self, Load, SteadyTraffic};
@@ -382,32 +382,6 @@ ports: [{name: http, port: 8080, protocol: TCP}]
     assert!(!frontends.contains(&"127.0.0.1:80"), "a frame to 127.0.0.1 was translated: {frontends:?}");
 }
 
-/// Creates a pinned LRU hash map at `path` with the given layout, as an agent of an earlier
-/// build left it (aya 0.14 creates maps only from an object).
-fn pin_lru_map(path: &std::path::Path, name: &str, key_size: u32, value_size: u32, max_entries: u32) {
-    use std::os::unix::ffi::OsStrExt;
-    const BPF_MAP_CREATE: libc::c_long = 0;
-    const BPF_OBJ_PIN: libc::c_long = 6;
-    const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
-    let mut attr = [0u8; 128];
-    for (offset, value) in [(0, BPF_MAP_TYPE_LRU_HASH), (4, key_size), (8, value_size), (12, max_entries)] {
-        attr[offset..offset + 4].copy_from_slice(&value.to_ne_bytes());
-    }
-    attr[28..28 + name.len()].copy_from_slice(name.as_bytes());
-    // SAFETY: bpf(2) with a zeroed attribute block of the size the kernel accepts.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, attr.as_ptr(), attr.len() as u32) };
-    assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
-    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("path");
-    let mut attr = [0u8; 128];
-    attr[0..8].copy_from_slice(&(path.as_ptr() as u64).to_ne_bytes());
-    attr[8..12].copy_from_slice(&(fd as u32).to_ne_bytes());
-    // SAFETY: as above; `path` outlives the call.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, attr.as_ptr(), attr.len() as u32) };
-    assert_eq!(rc, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
-    // SAFETY: our descriptor; the pin holds the map.
-    unsafe { libc::close(fd as i32) };
-}
-
 /// A v2 conntrack entry in the layout before it (`epx_ct4_v1`): 36 bytes of translation, the TCP
 /// bits, the last-seen time.
 fn v1_value(entry: &proxy_abi::CtEntry4) -> [u8; 40] {
@@ -458,4 +432,20 @@ fn an_upgrade_from_the_v1_conntrack_layout_keeps_an_established_snated_connectio
     env.client.netns.exec(&["ip", "link", "set", "eth0", "up"]).expect("client link up");
     echo(&mut stream, &mut reader, "after the upgrade").expect("the connection must survive the layout change");
     assert!(!v1_path.exists(), "the old map is unpinned once the new programs run");
+}
+
+#[test]
+fn a_full_snat_port_range_drops_the_new_flow_and_the_agent_logs_why() {
+    // Two SNAT source ports: two UDP flows to the one backend hold them (a UDP flow lives 60 s),
+    // the third finds none. The kernel says so through aya-log, and the agent prints it.
+    let env = far(&["--snat-port-range", "2000-2001"]);
+    let to = format!("{}:{UDP_NODE_PORT}", env.client.node_ip);
+    let command = || env.client.command(&e2e::bin("epx-probe")).expect("probe command");
+    for source_port in [42001, 42002] {
+        probe::udp_flow_answer(command(), &to, source_port).expect("a flow with an SNAT port of its own");
+    }
+    let third = probe::client_with_args(command(), "udp", &to, 1, &["--source-port", "42003"]).expect("probe");
+    assert_eq!(third.ok, 0, "no port was free for the third flow: {third:?}");
+    env.agent.wait_for_log("no free SNAT port in the range for a new flow to backend port 5353: dropped");
+    assert!(counter(&env.agent.dump().expect("dump"), "tc_snat_no_port") >= 1);
 }

@@ -1,7 +1,6 @@
 //! A map filled to capacity: the Service that does not fit is named in the log and left out,
 //! every other Service keeps working, and nothing half-built is exposed.
 
-use std::time::Duration;
 
 use e2e::agent::{Agent, AgentDir};
 use e2e::scenario::{client_and_two_backends, manifest, VIP};

@@ -18,19 +18,26 @@ fn wait_for_checkpoint(env: &KubeEnv) {
 
 const NODE_PORT: u16 = 30080;
 
-#[test]
-fn reboot_during_an_api_outage_restores_services_from_the_checkpoint() {
-    let mut env = KubeEnv::in_node();
+/// A NodePort Service with two endpoints programmed and checkpointed; then the API server goes
+/// down and the node reboots (agent gone, bpffs empty). Returns the NodePort's `ip:port`.
+fn reboot_during_an_outage_with_a_node_port(env: &mut KubeEnv) -> String {
     env.api
         .apply(&format!("{}---\n{}", node_port_service("np", OTHER_VIP, NODE_PORT), slice("np", &["10.244.1.11", "10.244.1.12"])))
         .expect("NodePort Service");
     let node_port = format!("{NODE_IP}:{NODE_PORT}");
     env.within(Duration::from_secs(2), "programming the NodePort", |e| e.frontends().contains(&format!("{node_port}/TCP")));
     // The checkpoint is written in the background after the sync that programmed it.
-    wait_for_checkpoint(&env);
+    wait_for_checkpoint(env);
 
     env.api.stop_apiserver().expect("API down");
     env.agent.simulate_reboot().expect("reboot");
+    node_port
+}
+
+#[test]
+fn reboot_during_an_api_outage_restores_services_from_the_checkpoint() {
+    let mut env = KubeEnv::in_node();
+    let node_port = reboot_during_an_outage_with_a_node_port(&mut env);
     let down = probe::tcp(&env.topo, "client", &format!("{VIP}:80"), 3).expect("probe");
     assert_eq!(down.ok, 0, "with an empty bpffs nothing translates the VIP: {down:?}");
 
@@ -77,4 +84,34 @@ fn a_corrupt_checkpoint_is_reported_and_ignored_and_the_api_still_wins() {
     env.agent.wait_healthy(Duration::from_secs(30)).expect("healthy once the API answers");
     let summary = probe::tcp(&env.topo, "client", &format!("{VIP}:80"), 20).expect("probe");
     assert_eq!(summary.failed, 0, "{summary:?}");
+}
+
+/// The boot path's first piece (issue 11 item 4): after a reboot with the API down, a one-shot
+/// `agent --restore-only` (what a static pod would run before kubelet can reach the API) brings
+/// Services back from the checkpoint and exits; the agent started once the API answers adopts
+/// what it left and writes nothing.
+#[test]
+fn a_restore_only_run_brings_services_back_after_a_reboot_and_the_agent_adopts_them() {
+    let mut env = KubeEnv::in_node();
+    let node_port = reboot_during_an_outage_with_a_node_port(&mut env);
+    let normal = env.agent.extra_args.clone();
+    env.agent.extra_args.push("--restore-only".into());
+    let status = env.agent.start_expecting_exit(Duration::from_secs(10)).expect("restore-only run");
+    env.agent.extra_args = normal;
+    assert!(status.success(), "{status}\n{}", env.agent.log_text());
+    // Nothing runs now: the pinned datapath serves the checkpoint's state.
+    let summary = probe::tcp(&env.topo, "client", &format!("{VIP}:80"), 50).expect("probe");
+    assert_eq!(summary.failed, 0, "{summary:?}");
+    assert!(summary.answered_by("be1") > 0 && summary.answered_by("be2") > 0, "{summary:?}");
+    let tcp = probe::tcp(&env.topo, "client", &node_port, 20).expect("NodePort TCP probe");
+    assert_eq!(tcp.failed, 0, "NodePort after the restore: {tcp:?}");
+
+    // The API returns and the agent starts: it adopts the restored maps and changes nothing.
+    env.api.start_apiserver().expect("API back");
+    let log_before = env.agent.log_text().len();
+    env.agent.restart().expect("the agent after the API returned");
+    let log = env.agent.log_text()[log_before..].to_owned();
+    assert!(!log.contains("restored it from the checkpoint") && !log.contains("attached and pinned"), "{log}");
+    let first_sync = log.lines().find(|line| line.contains(" synced")).unwrap_or_else(|| panic!("no sync in {log}"));
+    assert!(first_sync.contains(" writes=0 "), "the adopting agent rewrote maps: {first_sync}");
 }

@@ -84,3 +84,34 @@ fn dump_shows_the_same_state_with_the_agent_stopped_and_traffic_still_flows() {
     let summary = env.tcp(&format!("{VIP}:80"), 50);
     assert_eq!(summary.failed, 0, "{summary:?}");
 }
+
+/// The backend each of `sockets` unconnected sockets got for all of its `datagrams` requests
+/// to the UDP ClusterIP; panics if a socket's answers came from more than one backend.
+fn one_backend_per_socket(env: &Env, sockets: u32, datagrams: u32) -> Vec<String> {
+    (0..sockets)
+        .map(|_| {
+            let summary = e2e::probe::client_with_args(
+                env.topo.command_in("client", &e2e::bin("epx-probe")).expect("client command"),
+                "udp",
+                &format!("{VIP}:53"),
+                datagrams,
+                &["--one-socket"],
+            )
+            .expect("udp probe");
+            assert_eq!(summary.ok, datagrams, "{summary:?}");
+            // kube-proxy keeps a UDP 5-tuple on its conntrack entry's backend: one socket, one
+            // source port, one backend.
+            assert_eq!(summary.answers.len(), 1, "one socket's datagrams went to several backends: {summary:?}");
+            summary.sequence[0].clone()
+        })
+        .collect()
+}
+
+#[test]
+fn an_unconnected_udp_socket_keeps_its_backend_while_new_sockets_spread() {
+    let env = Env::new();
+    let backends = one_backend_per_socket(&env, 20, 10);
+    // 20 sockets all on one backend by chance: 2 in 2^20.
+    assert!(backends.iter().any(|b| b == "be1") && backends.iter().any(|b| b == "be2"), "{backends:?}");
+    assert!(env.counter("sock_flow_hit") >= 20 * 9, "the later datagrams followed the socket's entry");
+}

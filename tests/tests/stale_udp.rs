@@ -20,15 +20,21 @@ fn wait_backends(env: &Env, count: usize) {
     panic!("web did not get {count} backends\n{}", env.agent.log_text());
 }
 
-/// `epx-probe udp-connected` in the client pod against the UDP ClusterIP for `duration_ms`.
-fn connected_client(env: &Env, duration_ms: u32) -> std::process::Child {
+/// `epx-probe` with `args` in the client pod against the UDP ClusterIP, a request every 20 ms.
+fn client(env: &Env, args: &[&str]) -> std::process::Child {
     env.topo
         .command_in("client", &e2e::bin("epx-probe"))
         .expect("client command")
-        .args(["udp-connected", "--to", &format!("{VIP}:53"), "--interval-ms", "20", "--duration-ms", &duration_ms.to_string()])
+        .args(args)
+        .args(["--to", &format!("{VIP}:53"), "--interval-ms", "20"])
         .stdout(std::process::Stdio::piped())
         .spawn()
-        .expect("start the connected UDP client")
+        .expect("start the UDP client")
+}
+
+/// `epx-probe udp-connected` for `duration_ms`: one connected socket.
+fn connected_client(env: &Env, duration_ms: u32) -> std::process::Child {
+    client(env, &["udp-connected", "--duration-ms", &duration_ms.to_string()])
 }
 
 /// What the connected client reported: its JSON, and the answers in order.
@@ -85,4 +91,34 @@ fn a_connected_udp_socket_to_a_backend_removed_while_the_agent_was_down_is_abort
     assert!(answers[switched..].iter().all(|a| *a == "be2"), "back on the removed backend: {answers:?}");
     assert!(answers.len() - switched > 40, "the switch took too long: {answers:?}");
     assert_eq!(result["reconnects"].as_u64(), Some(1), "exactly one abort, of the stale socket: {result}");
+}
+
+/// `epx-probe udp --one-socket`: `count` requests from one unconnected socket.
+fn unconnected_client(env: &Env, count: u32) -> std::process::Child {
+    client(env, &["udp", "--one-socket", "--count", &count.to_string(), "--timeout-ms", "300"])
+}
+
+#[test]
+fn an_unconnected_udp_socket_stays_on_its_backend_and_moves_when_it_is_removed() {
+    let env = Env::new();
+    env.dir.write_manifest(&manifest(&["10.244.1.11"])).expect("only be1");
+    wait_backends(&env, 1);
+    let client = unconnected_client(&env, 200);
+
+    // A new backend does not move the socket's datagrams (they stay on be1 as a conntrack entry
+    // would keep them)...
+    std::thread::sleep(Duration::from_millis(1000));
+    env.dir.write_manifest(&manifest(&["10.244.1.11", "10.244.1.12"])).expect("add be2");
+    wait_backends(&env, 2);
+    std::thread::sleep(Duration::from_millis(1000));
+    // ... but the removal of be1 (its server still answering) does, at once and for good.
+    env.dir.write_manifest(&manifest(&["10.244.1.12"])).expect("remove be1");
+    let output = client.wait_with_output().expect("client result");
+    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("client JSON");
+    let answers: Vec<&str> = summary["sequence"].as_array().expect("sequence").iter().filter_map(|a| a.as_str()).collect();
+    let switched = answers.iter().position(|a| *a == "be2").expect("the socket must reach be2 after be1 is removed");
+    assert!(switched > 80, "the socket left be1 before it was removed: {answers:?}");
+    assert!(answers[..switched].iter().all(|a| *a == "be1"), "{answers:?}");
+    assert!(answers[switched..].iter().all(|a| *a == "be2"), "back on the removed backend: {answers:?}");
+    assert!(answers.len() - switched > 40, "the switch took too long: {answers:?}");
 }

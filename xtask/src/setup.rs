@@ -43,6 +43,10 @@ const VM_PACKAGES: &[&str] = &["qemu-system-x86", "kmod"];
 /// images locally since no registry is reachable, and debootstrap, which makes their Debian base.
 const NODE_PACKAGES: &[&str] = &["containerd", "runc", "containernetworking-plugins", "buildah", "debootstrap"];
 
+/// Debian packages the tests run as real protocol peers: `sipp` (sip-tester) places SIP calls
+/// over unconnected UDP sockets through a ClusterIP (tests/tests/sip.rs).
+const TEST_PEER_PACKAGES: &[&str] = &["sip-tester"];
+
 const BPF_LINKER_VERSION: &str = "0.13";
 
 fn is_root() -> bool {
@@ -80,7 +84,8 @@ pub fn ensure() -> anyhow::Result<()> {
     ensure_runtime()
 }
 
-/// What running the programs and tests needs on top of building them: cgroup v2 and bpffs.
+/// What running the programs and tests needs on top of building them: cgroup v2, bpffs, and the
+/// protocol peers the tests drive.
 pub fn ensure_runtime() -> anyhow::Result<()> {
     if !mounted("cgroup2") {
         bail!("no cgroup v2 filesystem is mounted (/proc/mounts has no cgroup2 line); the socket-level datapath needs one");
@@ -90,7 +95,7 @@ pub fn ensure_runtime() -> anyhow::Result<()> {
         run(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]))
             .context("bpffs is not mounted and could not be mounted at /sys/fs/bpf")?;
     }
-    Ok(())
+    install_missing(TEST_PEER_PACKAGES).context("installing the tests' protocol peers (sipp, from sip-tester)")
 }
 
 /// What `cargo xtask build` needs, and nothing it would not: deploy/Containerfile runs it in an
@@ -145,7 +150,8 @@ pub fn ensure_node_tools() -> anyhow::Result<()> {
 }
 
 /// Removes namespaces, cgroups and bpffs directories left by an earlier test run that was killed
-/// before its guards ran. Only names with the tests' prefix are touched.
+/// before its guards ran. Only names with the tests' prefix are touched, and of those only the
+/// ones whose test process is gone ([`e2e::owner_alive`]).
 pub fn sweep_leftovers() {
     let prefix = format!("{}-", e2e::PREFIX);
     // Nodes first: their pods, containerd and kubelet die, the kernel settings kubelet changed
@@ -154,14 +160,15 @@ pub fn sweep_leftovers() {
     if let Ok(entries) = std::fs::read_dir("/run/netns") {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with(&prefix) {
+            if name.starts_with(&prefix) && !e2e::owner_alive(&name) {
                 let _ = Command::new("ip").args(["netns", "delete", &name]).status();
             }
         }
     }
     if let Ok(entries) = std::fs::read_dir("/sys/fs/bpf") {
         for entry in entries.flatten() {
-            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(&prefix) && !e2e::owner_alive(&name) {
                 let _ = Command::new(crate::workspace_root().join("target/release/ebpf-proxy"))
                     .args(["cleanup", "--bpffs"])
                     .arg(entry.path())
@@ -171,7 +178,8 @@ pub fn sweep_leftovers() {
     }
     if let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) {
         for entry in entries.flatten() {
-            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(&prefix) && !e2e::owner_alive(&name) {
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }
@@ -179,7 +187,8 @@ pub fn sweep_leftovers() {
     if let Ok(root) = e2e::topology::cgroup2_root() {
         if let Ok(entries) = std::fs::read_dir(&root) {
             for entry in entries.flatten() {
-                if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.starts_with(&prefix) && !e2e::owner_alive(&name) {
                     drop(e2e::topology::Cgroup { path: entry.path() });
                 }
             }

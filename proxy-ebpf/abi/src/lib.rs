@@ -20,7 +20,9 @@ pub mod map_name {
     /// entries of a flow.
     pub const CT4: &str = "epx_ct4_v2";
     pub const IFADDR4: &str = "epx_ifaddr4_v1";
-    pub const AFFINITY4: &str = "epx_aff4_v1";
+    /// v2: the client in 128 bits (v1 folded an IPv6 client to 64, so clients that folded alike
+    /// shared their backend).
+    pub const AFFINITY4: &str = "epx_aff4_v2";
     pub const MAGLEV4: &str = "epx_maglev4_v1";
     pub const SERVICES6: &str = "epx_svc6_v1";
     pub const BACKENDS6: &str = "epx_be6_v1";
@@ -33,16 +35,19 @@ pub mod map_name {
     /// LRU: the translation of a fragmented datagram's first fragment, for the later ones.
     pub const FRAG4: &str = "epx_frag4_v1";
     pub const FRAG6: &str = "epx_frag6_v1";
+    /// LRU: the backend an unconnected UDP socket's datagrams to a frontend go to (`sendmsg`).
+    pub const SOCK_FLOW4: &str = "epx_sflow4_v1";
+    pub const SOCK_FLOW6: &str = "epx_sflow6_v1";
 
     /// Every map the agent owns, in the order `dump` prints them.
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 20] = [
         SERVICES4, BACKENDS4, REV_NAT4, REV_SOCK4, STATS, CT4, IFADDR4, AFFINITY4, MAGLEV4, SERVICES6, BACKENDS6,
-        REV_NAT6, REV_SOCK6, CT6, IFADDR6, CONFIG, FRAG4, FRAG6,
+        REV_NAT6, REV_SOCK6, CT6, IFADDR6, CONFIG, FRAG4, FRAG6, SOCK_FLOW4, SOCK_FLOW6,
     ];
 
     /// Pins of earlier layouts that no program of this build uses: the agent unpins them once
     /// its programs are attached (they held preallocated memory and nothing else).
-    pub const OBSOLETE: [&str; 3] = ["epx_stats_v1", "epx_ct4_v1", "epx_ct6_v1"];
+    pub const OBSOLETE: [&str; 4] = ["epx_stats_v1", "epx_ct4_v1", "epx_ct6_v1", "epx_aff4_v1"];
 }
 
 /// Default capacities; the agent can override each one at load time.
@@ -77,6 +82,10 @@ pub mod capacity {
     /// matters: the later ones follow within milliseconds).
     pub const FRAG4: u32 = 16_384;
     pub const FRAG6: u32 = 16_384;
+    /// LRU: one entry per (unconnected UDP socket, frontend) that sent within the idle timeout
+    /// (`sock_flow::IDLE_NS`); a client evicted early picks a backend again, nothing worse.
+    pub const SOCK_FLOW4: u32 = 65_536;
+    pub const SOCK_FLOW6: u32 = 16_384;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -258,6 +267,59 @@ pub struct RevSock6 {
 }
 const _: () = assert!(size_of::<RevSock6>() == 20);
 
+/// Unconnected UDP (`sendmsg`) stickiness: a socket keeps sending one frontend's datagrams to the
+/// backend it first got, as kube-proxy keeps a UDP 5-tuple on its conntrack entry's backend.
+pub mod sock_flow {
+    /// Idle time after which a socket's next datagram to the frontend picks a backend again: the
+    /// packet path's UDP conntrack timeout (netfilter: 30 s unreplied, 120 s for a stream).
+    pub const IDLE_NS: u64 = super::ct::TIMEOUT_NON_TCP_NS;
+    /// `SockFlow::last_used_ns` is rewritten only when this much older than the datagram, so a
+    /// busy socket does not write the map on every `sendmsg`.
+    pub const REFRESH_NS: u64 = super::ct::REFRESH_NS;
+
+    /// Whether an entry last refreshed at `last_used_ns` is past the idle timeout at `now_ns`
+    /// (saturating: another CPU may have refreshed it after `now_ns` was read).
+    pub const fn is_idle(last_used_ns: u64, now_ns: u64) -> bool {
+        now_ns.saturating_sub(last_used_ns) > IDLE_NS + REFRESH_NS
+    }
+}
+
+/// Key of the IPv4 unconnected-UDP stickiness LRU (`epx_sflow4_v1`): a socket and a frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SockFlowKey4 {
+    pub cookie: u64,
+    pub addr_be: u32,
+    pub port_be: u16,
+    pub pad: [u8; 2],
+}
+const _: () = assert!(size_of::<SockFlowKey4>() == 16);
+
+/// Key of the IPv6 unconnected-UDP stickiness LRU (`epx_sflow6_v1`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SockFlowKey6 {
+    pub cookie: u64,
+    pub addr: [u32; 4],
+    pub port_be: u16,
+    pub pad: [u8; 6],
+}
+const _: () = assert!(size_of::<SockFlowKey6>() == 32);
+
+/// Value of both stickiness LRUs: the backend, the frontend it was chosen for (an entry of a
+/// frontend since recreated with another reverse-NAT id is ignored), and the last use. The
+/// agent deletes entries whose backend left the frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SockFlow {
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC), refreshed at most every `sock_flow::REFRESH_NS`.
+    pub last_used_ns: u64,
+    pub backend_id: u32,
+    pub rev_nat_id: u16,
+    pub pad: [u8; 2],
+}
+const _: () = assert!(size_of::<SockFlow>() == 16);
+
 /// Indices of the per-CPU counters array: one per verdict of the socket hooks.
 pub mod stat {
     /// connect/sendmsg to a frontend translated to a backend.
@@ -331,7 +393,12 @@ pub mod stat {
     pub const TC_CT_REOPENED: u32 = 28;
     /// A later fragment got the translation of its datagram's first fragment.
     pub const TC_FRAGMENT_XLATE: u32 = 29;
-    pub const COUNT: u32 = 30;
+    /// sendmsg on an unconnected UDP socket kept the backend its earlier datagrams went to.
+    pub const SOCK_FLOW_HIT: u32 = 30;
+    /// The stickiness entry of an unconnected UDP socket could not be written (the datagram
+    /// still went out; the next one may pick another backend).
+    pub const SOCK_FLOW_RECORD_FAIL: u32 = 31;
+    pub const COUNT: u32 = 32;
     /// Slots of the stats map: more than `COUNT`, so that a new counter does not change the
     /// pinned map's layout (an upgrade keeps the map and its counts).
     pub const SLOTS: u32 = 64;
@@ -368,6 +435,8 @@ pub mod stat {
         "tc_rst_out_of_window",
         "tc_ct_reopened",
         "tc_fragment_xlate",
+        "sock_flow_hit",
+        "sock_flow_record_fail",
     ];
 }
 
@@ -578,28 +647,47 @@ pub struct IfAddr4 {
 }
 const _: () = assert!(size_of::<IfAddr4>() == 4);
 
-/// `AffinityKey4::kind`: what identifies the client.
+/// `AffinityKey4::kind`: what identifies the client, and how it is written in `client`.
 pub mod affinity {
-    /// The client's network namespace cookie (socket hooks: a pod, or the node itself).
+    /// The client's network namespace cookie (socket hooks: a pod, or the node itself): low
+    /// 32 bits in `client[0]`, high in `client[1]`.
     pub const CLIENT_NETNS: u8 = 0;
-    /// The client's IPv4 source address (packet path), in the low 32 bits of `client`.
+    /// The client's IPv4 source address (packet path), in `client[0]`.
     pub const CLIENT_IP4: u8 = 1;
-    /// The client's IPv6 source address (packet path), folded to 64 bits (the two halves
-    /// XORed): two clients that fold alike would share their stickiness, nothing worse.
+    /// The client's IPv6 source address (packet path), all of it.
     pub const CLIENT_IP6: u8 = 2;
+
+    /// `client` of a network namespace cookie.
+    #[inline(always)]
+    pub const fn netns_client(cookie: u64) -> [u32; 4] {
+        [cookie as u32, (cookie >> 32) as u32, 0, 0]
+    }
+
+    /// The cookie of a [`CLIENT_NETNS`] entry's `client`.
+    pub const fn netns_cookie(client: &[u32; 4]) -> u64 {
+        client[0] as u64 | (client[1] as u64) << 32
+    }
+
+    /// `client` of an IPv4 address (network byte order).
+    #[inline(always)]
+    pub const fn ip4_client(addr_be: u32) -> [u32; 4] {
+        [addr_be, 0, 0, 0]
+    }
 }
 
 /// Key of the session-affinity LRU (`sessionAffinity: ClientIP`): a client and a frontend.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
 pub struct AffinityKey4 {
-    pub client: u64,
+    /// `affinity::CLIENT_*` says what this is; an IPv6 address in network byte order as
+    /// `bpf_sock_addr::user_ip6`.
+    pub client: [u32; 4],
     pub rev_nat_id: u16,
     /// `affinity::CLIENT_*`.
     pub kind: u8,
     pub pad: [u8; 5],
 }
-const _: () = assert!(size_of::<AffinityKey4>() == 16);
+const _: () = assert!(size_of::<AffinityKey4>() == 24);
 
 /// Value of the session-affinity LRU: the backend the client was sent to, and when it last was.
 /// An entry older than the frontend's timeout is ignored; the agent deletes entries whose
@@ -788,6 +876,9 @@ mod pod {
     unsafe impl aya::Pod for FragValue4 {}
     unsafe impl aya::Pod for FragKey6 {}
     unsafe impl aya::Pod for FragValue6 {}
+    unsafe impl aya::Pod for SockFlowKey4 {}
+    unsafe impl aya::Pod for SockFlowKey6 {}
+    unsafe impl aya::Pod for SockFlow {}
 }
 
 #[cfg(test)]

@@ -7,11 +7,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use super::{
     AddressField, Backend, BackendAddr, Family, InvalidAddress, InvalidPort, PortKey, Proto, RejectReason, RejectedObject,
     Rejection, Slice,
 };
+use super::slice::EndpointAddress;
 use crate::ipparse::{parse_ip_sloppy, special_address};
 
 /// One endpoint of one Service port after merging all slices.
@@ -22,7 +24,7 @@ pub(super) struct Endpoint {
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<String>,
+    pub node_name: Option<Arc<str>>,
     pub zone_hints: BTreeSet<String>,
     pub node_hints: BTreeSet<String>,
 }
@@ -75,8 +77,12 @@ pub(super) fn merge_slices<'a>(
             let endpoints = per_port.entry((port.name.clone().unwrap_or_default(), proto)).or_default();
             for endpoint in &slice.endpoints {
                 // kube-proxy uses the first address of an endpoint.
-                let Some(text) = endpoint.address.as_ref() else { continue };
-                let addr = match parse_ip_sloppy(text) {
+                let Some(address) = endpoint.address.as_ref() else { continue };
+                let parsed = match address {
+                    EndpointAddress::Ip(ip) => Some(*ip),
+                    EndpointAddress::Text(text) => parse_ip_sloppy(text),
+                };
+                let addr = match parsed {
                     Some(addr) if special_address(addr).is_some() => {
                         let class = special_address(addr).unwrap_or_default();
                         let field = AddressField::Endpoint(family);
@@ -87,7 +93,7 @@ pub(super) fn merge_slices<'a>(
                     Some(addr) if Family::of(addr) == family => addr,
                     _ => {
                         let field = AddressField::Endpoint(family);
-                        let reason = RejectReason::InvalidAddress(InvalidAddress::Unparsable { field, text: text.clone() });
+                        let reason = RejectReason::InvalidAddress(InvalidAddress::Unparsable { field, text: address.to_string() });
                         rejections.push(Rejection::new(object.clone(), reason));
                         continue;
                     }

@@ -435,7 +435,7 @@ fn incremental_sync_matches_a_full_computation_over_random_changes() {
     use k8s_openapi::api::discovery::v1::EndpointSlice;
     use std::sync::Arc;
 
-    fn service(rng: &mut Rng, i: u64) -> Service {
+    fn service(rng: &mut Rng, i: u64) -> desired::ServiceInfo {
         let ty = ["ClusterIP", "NodePort", "LoadBalancer"][rng.below(3) as usize];
         let mut spec = serde_json::json!({
             "type": ty,
@@ -450,7 +450,9 @@ fn incremental_sync_matches_a_full_computation_over_random_changes() {
         if rng.below(3) == 0 {
             spec["externalIPs"] = serde_json::json!([format!("10.96.0.{}", 1 + rng.below(6))]);
         }
-        serde_json::from_value(serde_json::json!({"metadata": {"name": format!("s{i}"), "namespace": "ns"}, "spec": spec})).unwrap()
+        serde_json::from_value(serde_json::json!({"metadata": {"name": format!("s{i}"), "namespace": "ns"}, "spec": spec}))
+            .map(|service: Service| service.into())
+            .unwrap()
     }
     fn slice(rng: &mut Rng, i: u64, of: u64) -> desired::Slice {
         let endpoints: Vec<_> = (0..rng.below(4))
@@ -472,7 +474,7 @@ fn incremental_sync_matches_a_full_computation_over_random_changes() {
 
     for seed in 1..=12u64 {
         let mut rng = Rng(seed * 0x9e37_79b9_7f4a_7c15);
-        let mut services: BTreeMap<u64, Arc<Service>> = BTreeMap::new();
+        let mut services: BTreeMap<u64, Arc<desired::ServiceInfo>> = BTreeMap::new();
         let mut slices: BTreeMap<u64, Arc<desired::Slice>> = BTreeMap::new();
         let mut config = NodeConfig { node_name: "node-1".into(), interface_addresses: vec!["192.168.0.10".parse().unwrap()], ..Default::default() };
         let mut state = Incremental::default();

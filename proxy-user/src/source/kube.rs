@@ -28,7 +28,7 @@ use kube::{Api, Client, Config, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 use crate::agent::error_chain;
-use crate::desired::{self, Changes, ClusterState, ServiceKey, ServiceObjects, Slice};
+use crate::desired::{self, Changes, ClusterState, ServiceInfo, ServiceKey, ServiceObjects, Slice};
 use crate::source::{Snapshot, SourceHandle, SourceHealth};
 
 /// Server-side timeout of each watch call, drawn per watcher from this range as client-go does
@@ -145,9 +145,9 @@ trait Stored: Clone + PartialEq + Send + 'static {
     }
 }
 
-impl Stored for Service {
+impl Stored for ServiceInfo {
     fn object_key(&self) -> ObjectKey {
-        (self.namespace().unwrap_or_default(), self.name_any())
+        (self.namespace.clone(), self.name.clone())
     }
 }
 
@@ -316,25 +316,8 @@ pub(crate) trait Trim: Resource {
     fn trim_kind(&mut self) {}
 }
 
-impl Trim for Service {
-    fn trim_kind(&mut self) {
-        // Labels read: another proxy's, and headless; the selector is the endpoint
-        // controller's business. At 30 000 Services each map is about half a KiB.
-        if let Some(labels) = self.metadata.labels.as_mut() {
-            labels.retain(|key, _| key == desired::LABEL_SERVICE_PROXY_NAME || key == desired::LABEL_HEADLESS);
-        }
-        if self.metadata.labels.as_ref().is_some_and(|l| l.is_empty()) {
-            self.metadata.labels = None;
-        }
-        if let Some(spec) = self.spec.as_mut() {
-            spec.selector = None;
-        }
-        if let Some(status) = self.status.as_mut() {
-            // The load balancer's ingress addresses stay.
-            status.conditions = None;
-        }
-    }
-}
+/// Nothing beyond the common trim: the conversion to [`ServiceInfo`] keeps only what is read.
+impl Trim for Service {}
 
 impl Trim for EndpointSlice {
     fn trim_kind(&mut self) {
@@ -363,7 +346,7 @@ impl Trim for Node {
 }
 
 struct Stores {
-    services: KindStore<Service>,
+    services: KindStore<ServiceInfo>,
     slices: KindStore<Slice>,
     nodes: KindStore<Node>,
     /// When the oldest change not read by the agent yet arrived.
@@ -543,13 +526,12 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-    fn svc(name: &str) -> Service {
-        Service { metadata: ObjectMeta { name: Some(name.into()), namespace: Some("ns".into()), ..Default::default() }, ..Default::default() }
+    fn svc(name: &str) -> ServiceInfo {
+        ServiceInfo { name: name.into(), namespace: "ns".into(), ..Default::default() }
     }
 
-    fn names(store: &KindStore<Service>) -> Vec<String> {
+    fn names(store: &KindStore<ServiceInfo>) -> Vec<String> {
         store.objects.keys().map(|(_, n)| n.clone()).collect()
     }
 

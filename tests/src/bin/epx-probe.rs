@@ -67,6 +67,10 @@ enum Cmd {
         streams: u32,
         #[arg(long)]
         duration_ms: u64,
+        /// Also short TCP connections to NAME:PORT at RATE, NAME looked up before each one
+        /// through /etc/resolv.conf (as `dns`), as a client that caches no DNS answer.
+        #[arg(long, value_name = "NAME:PORT")]
+        tcp_name: Option<String>,
     },
     /// CLIENTS clients (threads), each making COUNT requests of KIND (`tcp`: connect, read the
     /// server's name, close; `udp`: a datagram from a new socket, so a new flow, and its answer)
@@ -204,6 +208,13 @@ struct ClientArgs {
     /// answers with as many, and an answer of another size counts as failed.
     #[arg(long)]
     size: Option<usize>,
+    /// UDP: send every request from one unconnected socket (sendto, as DNS resolvers and SIP
+    /// agents do) instead of a new socket each.
+    #[arg(long)]
+    one_socket: bool,
+    /// UDP with `--one-socket`: pause this long between requests.
+    #[arg(long, default_value_t = 0)]
+    interval_ms: u64,
 }
 
 fn error_name(error: &std::io::Error) -> String {
@@ -385,7 +396,11 @@ fn udp_once_from(source_port: u16, to: SocketAddr, timeout: Duration) -> std::io
 
 /// One request from `source_port` (0: any), of `size` bytes if given (answered by as many).
 fn udp_sized_from(source_port: u16, size: Option<usize>, to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
-    let socket = udp_client_socket(to, source_port)?;
+    udp_request(&udp_client_socket(to, source_port)?, size, to, timeout)
+}
+
+/// One request on `socket` (unconnected: sent with sendto) and its answer.
+fn udp_request(socket: &UdpSocket, size: Option<usize>, to: SocketAddr, timeout: Duration) -> std::io::Result<String> {
     socket.set_read_timeout(Some(timeout))?;
     let request = size.map_or_else(|| b"ping".to_vec(), |n| vec![b'x'; n]);
     socket.send_to(&request, to)?;
@@ -672,17 +687,28 @@ fn last_answer(to: SocketAddr, name: &str, rate: u32, quiet: Duration, limit: Du
     result
 }
 
-fn steady(tcp: SocketAddr, udp: SocketAddr, rate: u32, streams: u32, duration: Duration) -> Steady {
+fn steady(tcp: SocketAddr, udp: SocketAddr, rate: u32, streams: u32, duration: Duration, tcp_name: Option<String>) -> Steady {
     let until = Instant::now() + duration;
     let stream_threads: Vec<_> = (0..streams).map(|_| std::thread::spawn(move || stream(tcp, until))).collect();
     let udp_thread = std::thread::spawn(move || paced(rate, until, || udp_once(udp, Duration::from_secs(1))));
+    let by_name_thread = tcp_name.map(|to| std::thread::spawn(move || paced(rate, until, || tcp_by_name(&to, Duration::from_secs(1)))));
     let tcp_summary = paced(rate, until, || tcp_once(tcp, Duration::from_secs(1)));
     let mut results = stream_threads.into_iter().map(|t| t.join().expect("stream thread"));
     Steady {
         tcp: tcp_summary,
         udp: udp_thread.join().expect("udp thread"),
         streams: run_requests(streams, || results.next().expect("one result per stream")),
+        by_name: by_name_thread.map(|thread| thread.join().expect("by-name thread")).unwrap_or_default(),
     }
+}
+
+/// `NAME:PORT` looked up through /etc/resolv.conf, then one TCP request to its first address.
+fn tcp_by_name(to: &str, timeout: Duration) -> std::io::Result<String> {
+    let (name, port) = to.rsplit_once(':').ok_or_else(|| std::io::Error::other(format!("{to} is not NAME:PORT")))?;
+    let port: u16 = port.parse().map_err(std::io::Error::other)?;
+    let (_, addresses) = dns(name, None, timeout).map_err(|e| std::io::Error::other(format!("DNS: {e:#}")))?;
+    let address = addresses.first().ok_or_else(|| std::io::Error::other("DNS: no address"))?;
+    tcp_once(SocketAddr::from((*address, port)), timeout)
 }
 
 /// `epx-probe dns`: see the subcommand's help.
@@ -705,8 +731,8 @@ fn dns(name: &str, server: Option<SocketAddr>, timeout: Duration) -> anyhow::Res
 
 fn main() {
     let cli = Cli::parse();
-    if let Cmd::Steady { tcp, udp, rate, streams, duration_ms } = cli.command {
-        let result = steady(tcp, udp, rate, streams, Duration::from_millis(duration_ms));
+    if let Cmd::Steady { tcp, udp, rate, streams, duration_ms, tcp_name } = cli.command {
+        let result = steady(tcp, udp, rate, streams, Duration::from_millis(duration_ms), tcp_name);
         println!("{}", serde_json::to_string(&result).expect("serialisable"));
         return;
     }
@@ -762,6 +788,17 @@ fn main() {
         }
         Cmd::Serve { name, tcp, udp, tcp_peer, http } => serve(name, tcp, udp, tcp_peer, http),
         Cmd::Tcp(a) => run_requests(a.count, || tcp_once_from(a.source_port, a.reset, a.to, Duration::from_millis(a.timeout_ms))),
+        Cmd::Udp(a) if a.one_socket => match udp_client_socket(a.to, a.source_port.unwrap_or(0)) {
+            Ok(socket) => run_requests(a.count, || {
+                let answer = udp_request(&socket, a.size, a.to, Duration::from_millis(a.timeout_ms));
+                std::thread::sleep(Duration::from_millis(a.interval_ms));
+                answer
+            }),
+            Err(error) => {
+                eprintln!("epx-probe: cannot open a UDP socket: {error}");
+                std::process::exit(1);
+            }
+        },
         Cmd::Udp(a) => {
             let mut next_port = a.source_port;
             run_requests(a.count, || {

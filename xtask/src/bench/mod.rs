@@ -47,7 +47,7 @@ const EBPF_NODE: &str = "node-1";
 const AGENT_ARGS: &[&str] = &[
     "--interfaces=ext0",
     "--nodeport-addresses=192.168.240.0/24",
-    "--map-size-services=524288",
+    "--map-size-services=1048576",
 ];
 
 static STOP: AtomicBool = AtomicBool::new(false);

@@ -371,9 +371,11 @@ EndpointSlice of the same 10 backend pods; `bench-0` is also a NodePort (30080).
 Service (`bench-(N-1)`; `bench-0` for the NodePort).\n\
 - **no-proxy**: the client connects straight to a backend pod (10.244.1.11:8080); the external client routes to it through the node.\n\
 - **ebpf-proxy**: `ebpf-proxy agent --source kube --interfaces ext0 --nodeport-addresses 192.168.240.0/24 \
---map-size-services 524288`, socket-level load balancing on the node's pod cgroup. \
+--map-size-services 1048576`, socket-level load balancing on the node's pod cgroup. \
 **The default map sizes (65 536 entries) do not hold 30 000 Services × 10 endpoints**: the service map needs \
-frontends × (1 + backends) = 330 000 entries (the backend map holds each distinct endpoint once); `ebpf-proxy agent --help` says so at `--map-size-services`.\n\
+frontends × (1 + backends) entries, and every Service address is a frontend twice (traffic from the node's sockets and \
+from outside), so 2 × 30 000 × 11 = 660 000 entries (the backend map holds each distinct endpoint once); \
+`ebpf-proxy agent --help` says so at `--map-size-services`.\n\
 - **kube-proxy** v1.34 (`--proxy-mode iptables` or `nftables`, default sync settings), each in its own node namespace with \
 `--cluster-cidr 10.244.0.0/16 --nodeport-addresses 192.168.240.0/24 --conntrack-max-per-core 0` (`nf_conntrack_max` is \
 host-wide and read-only inside a namespace) and its Node object.\n\
