@@ -17,7 +17,7 @@ use aya::maps::{HashMap, Map, MapData, MapType};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
 use proxy_abi::{
-    capacity, map_name, Backend4, Backend6, BackendId, CtEntry4, CtEntry6, CtKey4, CtKey6, MaglevTable4, RevNat4, RevNat6, RevNatId,
+    capacity, layout, map_name, Backend4, Backend6, BackendId, CtEntry4, CtEntry6, CtKey4, CtKey6, MaglevTable4, RevNat4, RevNat6, RevNatId,
     RevSock4, RevSock6, RevSockKey4, RevSockKey6, ServiceKey4, ServiceKey6, ServiceValue4,
 };
 
@@ -140,160 +140,31 @@ impl Default for MapCapacities {
     }
 }
 
-/// What each pinned map must look like for this build.
-struct MapLayout {
-    name: &'static str,
-    map_type: MapType,
-    key_size: u32,
-    value_size: u32,
-    max_entries: u32,
+impl MapCapacities {
+    /// The capacity `size` stands for with these flags.
+    pub fn entries(&self, size: layout::Size) -> u32 {
+        use layout::Size;
+        match size {
+            Size::Fixed(entries) => entries,
+            Size::Services => self.services,
+            Size::Backends => self.backends,
+            Size::RevNat => self.rev_nat,
+            Size::RevSock => self.rev_sock,
+            Size::Ct => self.ct,
+            Size::Affinity => self.affinity,
+            Size::RevSock6 => self.rev_sock6,
+            Size::Ct6 => self.ct6,
+        }
+    }
 }
 
-fn expected_layouts(caps: &MapCapacities) -> [MapLayout; 20] {
-    use std::mem::size_of;
-    let size = |n: usize| n as u32;
-    [
-        MapLayout {
-            name: map_name::SERVICES4,
-            map_type: MapType::Hash,
-            key_size: size(size_of::<ServiceKey4>()),
-            value_size: size(size_of::<ServiceValue4>()),
-            max_entries: caps.services,
-        },
-        MapLayout {
-            name: map_name::BACKENDS4,
-            map_type: MapType::Hash,
-            key_size: size(size_of::<BackendId>()),
-            value_size: size(size_of::<Backend4>()),
-            max_entries: caps.backends,
-        },
-        MapLayout {
-            name: map_name::REV_NAT4,
-            map_type: MapType::Hash,
-            key_size: size(size_of::<RevNatId>()),
-            value_size: size(size_of::<RevNat4>()),
-            max_entries: caps.rev_nat,
-        },
-        MapLayout {
-            name: map_name::REV_SOCK4,
-            map_type: MapType::LruHash,
-            key_size: size(size_of::<RevSockKey4>()),
-            value_size: size(size_of::<RevSock4>()),
-            max_entries: caps.rev_sock,
-        },
-        MapLayout {
-            name: map_name::STATS,
-            map_type: MapType::PerCpuArray,
-            key_size: 4,
-            value_size: 8,
-            max_entries: proxy_abi::stat::SLOTS,
-        },
-        MapLayout {
-            name: map_name::AFFINITY4,
-            map_type: MapType::LruHash,
-            key_size: size(size_of::<proxy_abi::AffinityKey4>()),
-            value_size: size(size_of::<proxy_abi::AffinityValue4>()),
-            max_entries: caps.affinity,
-        },
-        MapLayout {
-            name: map_name::CT4,
-            map_type: MapType::LruHash,
-            key_size: size(size_of::<CtKey4>()),
-            value_size: size(size_of::<CtEntry4>()),
-            max_entries: caps.ct,
-        },
-        MapLayout {
-            name: map_name::IFADDR4,
-            map_type: MapType::Hash,
-            key_size: 4,
-            value_size: size(size_of::<proxy_abi::IfAddr4>()),
-            max_entries: capacity::IFADDR4,
-        },
-        MapLayout {
-            name: map_name::MAGLEV4,
-            map_type: MapType::Hash,
-            key_size: 4,
-            value_size: size(size_of::<MaglevTable4>()),
-            max_entries: capacity::MAGLEV4,
-        },
-        MapLayout {
-            name: map_name::SERVICES6,
-            map_type: MapType::Hash,
-            key_size: size(size_of::<ServiceKey6>()),
-            value_size: size(size_of::<ServiceValue4>()),
-            max_entries: caps.services,
-        },
-        MapLayout {
-            name: map_name::BACKENDS6,
-            map_type: MapType::Hash,
-            key_size: size(size_of::<BackendId>()),
-            value_size: size(size_of::<Backend6>()),
-            max_entries: caps.backends,
-        },
-        MapLayout {
-            name: map_name::REV_NAT6,
-            map_type: MapType::Hash,
-            key_size: size(size_of::<RevNatId>()),
-            value_size: size(size_of::<RevNat6>()),
-            max_entries: caps.rev_nat,
-        },
-        MapLayout {
-            name: map_name::REV_SOCK6,
-            map_type: MapType::LruHash,
-            key_size: size(size_of::<RevSockKey6>()),
-            value_size: size(size_of::<RevSock6>()),
-            max_entries: caps.rev_sock6,
-        },
-        MapLayout {
-            name: map_name::CT6,
-            map_type: MapType::LruHash,
-            key_size: size(size_of::<CtKey6>()),
-            value_size: size(size_of::<CtEntry6>()),
-            max_entries: caps.ct6,
-        },
-        MapLayout {
-            name: map_name::IFADDR6,
-            map_type: MapType::Hash,
-            key_size: 4,
-            value_size: size(size_of::<proxy_abi::IfAddr6>()),
-            max_entries: capacity::IFADDR6,
-        },
-        MapLayout {
-            name: map_name::FRAG4,
-            map_type: MapType::LruHash,
-            key_size: size(size_of::<proxy_abi::FragKey4>()),
-            value_size: size(size_of::<proxy_abi::FragValue4>()),
-            max_entries: capacity::FRAG4,
-        },
-        MapLayout {
-            name: map_name::FRAG6,
-            map_type: MapType::LruHash,
-            key_size: size(size_of::<proxy_abi::FragKey6>()),
-            value_size: size(size_of::<proxy_abi::FragValue6>()),
-            max_entries: capacity::FRAG6,
-        },
-        MapLayout {
-            name: map_name::SOCK_FLOW4,
-            map_type: MapType::LruHash,
-            key_size: size(size_of::<proxy_abi::SockFlowKey4>()),
-            value_size: size(size_of::<proxy_abi::SockFlow>()),
-            max_entries: capacity::SOCK_FLOW4,
-        },
-        MapLayout {
-            name: map_name::SOCK_FLOW6,
-            map_type: MapType::LruHash,
-            key_size: size(size_of::<proxy_abi::SockFlowKey6>()),
-            value_size: size(size_of::<proxy_abi::SockFlow>()),
-            max_entries: capacity::SOCK_FLOW6,
-        },
-        MapLayout {
-            name: map_name::CONFIG,
-            map_type: MapType::Array,
-            key_size: 4,
-            value_size: size(size_of::<proxy_abi::DatapathConfig>()),
-            max_entries: 1,
-        },
-    ]
+fn map_type(kind: layout::Kind) -> MapType {
+    match kind {
+        layout::Kind::Hash => MapType::Hash,
+        layout::Kind::Array => MapType::Array,
+        layout::Kind::PerCpuArray => MapType::PerCpuArray,
+        layout::Kind::LruHash => MapType::LruHash,
+    }
 }
 
 fn statfs_type(path: &Path) -> io::Result<i64> {
@@ -334,17 +205,17 @@ pub fn prepare_bpffs(dir: &Path) -> Result<(), DatapathError> {
 ///
 /// aya (before 0.16) would silently reuse it, and the programs would read garbage.
 fn check_pinned_layouts(dir: &Path, caps: &MapCapacities) -> Result<(), DatapathError> {
-    for layout in expected_layouts(caps) {
-        let path = dir.join(layout.name);
+    for spec in &layout::MAPS {
+        let path = dir.join(spec.name);
         if !path.exists() {
             continue;
         }
         let info = aya::maps::MapInfo::from_pin(&path)
-            .map_err(|source| DatapathError::MapLayout { name: layout.name, source })?;
-        let found_type = info.map_type().map_err(|source| DatapathError::MapLayout { name: layout.name, source })?;
+            .map_err(|source| DatapathError::MapLayout { name: spec.name, source })?;
+        let found_type = info.map_type().map_err(|source| DatapathError::MapLayout { name: spec.name, source })?;
         let describe = |t: MapType, k: u32, v: u32, n: u32| format!("type {t:?}, key {k} B, value {v} B, {n} entries");
         let found = describe(found_type, info.key_size(), info.value_size(), info.max_entries());
-        let expected = describe(layout.map_type, layout.key_size, layout.value_size, layout.max_entries);
+        let expected = describe(map_type(spec.kind), spec.key_size, spec.value_size, caps.entries(spec.size));
         if found != expected {
             return Err(DatapathError::IncompatiblePin { path, found, expected });
         }
@@ -404,21 +275,12 @@ pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities, object: Option<&[
     prepare_bpffs(bpffs)?;
     check_pinned_layouts(bpffs, caps)?;
 
-    let mut ebpf = EbpfLoader::new()
-        .default_map_pin_directory(bpffs)
-        .map_max_entries(map_name::SERVICES4, caps.services)
-        .map_max_entries(map_name::BACKENDS4, caps.backends)
-        .map_max_entries(map_name::REV_NAT4, caps.rev_nat)
-        .map_max_entries(map_name::REV_SOCK4, caps.rev_sock)
-        .map_max_entries(map_name::CT4, caps.ct)
-        .map_max_entries(map_name::AFFINITY4, caps.affinity)
-        .map_max_entries(map_name::SERVICES6, caps.services)
-        .map_max_entries(map_name::BACKENDS6, caps.backends)
-        .map_max_entries(map_name::REV_NAT6, caps.rev_nat)
-        .map_max_entries(map_name::REV_SOCK6, caps.rev_sock6)
-        .map_max_entries(map_name::CT6, caps.ct6)
-        .load(object)
-        .map_err(DatapathError::Load)?;
+    let mut loader = EbpfLoader::new();
+    loader.default_map_pin_directory(bpffs);
+    for spec in layout::MAPS.iter().filter(|spec| !matches!(spec.size, layout::Size::Fixed(_))) {
+        loader.map_max_entries(spec.name, caps.entries(spec.size));
+    }
+    let mut ebpf = loader.load(object).map_err(DatapathError::Load)?;
 
     let cgroup_dir = fs::File::open(cgroup).map_err(|source| DatapathError::Bpffs { path: cgroup.to_owned(), source })?;
     for name in SOCK_PROGRAMS {
@@ -1110,4 +972,35 @@ pub fn cleanup(bpffs: &Path) -> io::Result<Vec<PathBuf>> {
         fs::remove_dir(bpffs)?;
     }
     Ok(removed)
+}
+
+#[cfg(test)]
+mod layout_tests {
+    use super::*;
+
+    /// The kernel object built into this binary declares exactly the maps of the ABI's table,
+    /// each with its type, key and value size, default capacity and flags: `maps.rs` (literals,
+    /// as `#[map]` wants them) cannot drift from what the agent checks pins against.
+    #[test]
+    fn the_kernel_object_declares_the_maps_of_the_abi_table() {
+        assert!(!EBPF_OBJECT.is_empty(), "no eBPF object is built into this test binary: run `cargo xtask build` first (`cargo xtask test` does)");
+        let object = aya_obj::Object::parse(EBPF_OBJECT).expect("parsing the built-in eBPF object");
+        // The pinned ones: the programs' private per-CPU scratch space is no part of the ABI.
+        let ours: std::collections::BTreeSet<&str> = object
+            .maps
+            .iter()
+            .filter(|(_, map)| map.pinning() == aya_obj::maps::PinningType::ByName)
+            .map(|(name, _)| name.as_str())
+            .collect();
+        let table: std::collections::BTreeSet<&str> = layout::MAPS.iter().map(|spec| spec.name).collect();
+        assert_eq!(ours, table, "pinned maps of the kernel object (left) and proxy_abi::layout::MAPS (right)");
+        let names: Vec<&str> = layout::MAPS.iter().map(|spec| spec.name).collect();
+        assert_eq!(names, map_name::ALL, "the table is in the order of map_name::ALL");
+        for spec in &layout::MAPS {
+            let map = &object.maps[spec.name];
+            let declared = (map.map_type(), map.key_size(), map.value_size(), map.max_entries(), map.map_flags());
+            let expected = (spec.kind as u32, spec.key_size, spec.value_size, spec.size.default_entries(), spec.flags);
+            assert_eq!(declared, expected, "{}: (type, key, value, entries, flags) in the object and in the table", spec.name);
+        }
+    }
 }

@@ -912,3 +912,93 @@ mod tests {
         assert!(!expired_after(0, IPPROTO_UDP, 60) && expired_after(0, IPPROTO_UDP, 62));
     }
 }
+
+/// Every pinned map's layout, in one table: the agent sizes the maps it loads and checks the
+/// pins it finds against it, and a test of the agent compares it with the compiled kernel object
+/// (whose `#[map]` declarations in `proxy-ebpf/src/maps.rs` take only literals), so the three
+/// cannot drift apart unnoticed.
+pub mod layout {
+    use super::*;
+
+    /// The kernel's map type (`enum bpf_map_type`).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Kind {
+        Hash = 1,
+        Array = 2,
+        PerCpuArray = 6,
+        LruHash = 9,
+    }
+
+    /// What sets a map's capacity: a constant of this build, or one of the agent's
+    /// `--map-size-*` flags (whose default is the kernel object's).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Size {
+        Fixed(u32),
+        Services,
+        Backends,
+        RevNat,
+        RevSock,
+        Ct,
+        Affinity,
+        RevSock6,
+        Ct6,
+    }
+
+    impl Size {
+        /// The capacity the kernel object declares (the flag's default).
+        pub const fn default_entries(self) -> u32 {
+            match self {
+                Size::Fixed(entries) => entries,
+                Size::Services => capacity::SERVICES4,
+                Size::Backends => capacity::BACKENDS4,
+                Size::RevNat => capacity::REV_NAT4,
+                Size::RevSock => capacity::REV_SOCK4,
+                Size::Ct => capacity::CT4,
+                Size::Affinity => capacity::AFFINITY4,
+                Size::RevSock6 => capacity::REV_SOCK6,
+                Size::Ct6 => capacity::CT6,
+            }
+        }
+    }
+
+    /// `BPF_F_NO_PREALLOC`.
+    pub const NO_PREALLOC: u32 = 1;
+
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Spec {
+        pub name: &'static str,
+        pub kind: Kind,
+        pub key_size: u32,
+        pub value_size: u32,
+        pub size: Size,
+        pub flags: u32,
+    }
+
+    const fn spec<K, V>(name: &'static str, kind: Kind, size: Size) -> Spec {
+        Spec { name, kind, key_size: size_of::<K>() as u32, value_size: size_of::<V>() as u32, size, flags: 0 }
+    }
+
+    /// In the order of [`map_name::ALL`].
+    pub const MAPS: [Spec; 20] = [
+        spec::<ServiceKey4, ServiceValue4>(map_name::SERVICES4, Kind::Hash, Size::Services),
+        spec::<BackendId, Backend4>(map_name::BACKENDS4, Kind::Hash, Size::Backends),
+        spec::<RevNatId, RevNat4>(map_name::REV_NAT4, Kind::Hash, Size::RevNat),
+        spec::<RevSockKey4, RevSock4>(map_name::REV_SOCK4, Kind::LruHash, Size::RevSock),
+        spec::<u32, u64>(map_name::STATS, Kind::PerCpuArray, Size::Fixed(stat::SLOTS)),
+        spec::<CtKey4, CtEntry4>(map_name::CT4, Kind::LruHash, Size::Ct),
+        spec::<u32, IfAddr4>(map_name::IFADDR4, Kind::Hash, Size::Fixed(capacity::IFADDR4)),
+        spec::<AffinityKey4, AffinityValue4>(map_name::AFFINITY4, Kind::LruHash, Size::Affinity),
+        Spec { flags: NO_PREALLOC, ..spec::<u32, MaglevTable4>(map_name::MAGLEV4, Kind::Hash, Size::Fixed(capacity::MAGLEV4)) },
+        spec::<ServiceKey6, ServiceValue4>(map_name::SERVICES6, Kind::Hash, Size::Services),
+        spec::<BackendId, Backend6>(map_name::BACKENDS6, Kind::Hash, Size::Backends),
+        spec::<RevNatId, RevNat6>(map_name::REV_NAT6, Kind::Hash, Size::RevNat),
+        spec::<RevSockKey6, RevSock6>(map_name::REV_SOCK6, Kind::LruHash, Size::RevSock6),
+        spec::<CtKey6, CtEntry6>(map_name::CT6, Kind::LruHash, Size::Ct6),
+        spec::<u32, IfAddr6>(map_name::IFADDR6, Kind::Hash, Size::Fixed(capacity::IFADDR6)),
+        spec::<u32, DatapathConfig>(map_name::CONFIG, Kind::Array, Size::Fixed(1)),
+        spec::<FragKey4, FragValue4>(map_name::FRAG4, Kind::LruHash, Size::Fixed(capacity::FRAG4)),
+        spec::<FragKey6, FragValue6>(map_name::FRAG6, Kind::LruHash, Size::Fixed(capacity::FRAG6)),
+        spec::<SockFlowKey4, SockFlow>(map_name::SOCK_FLOW4, Kind::LruHash, Size::Fixed(capacity::SOCK_FLOW4)),
+        spec::<SockFlowKey6, SockFlow>(map_name::SOCK_FLOW6, Kind::LruHash, Size::Fixed(capacity::SOCK_FLOW6)),
+    ];
+}
