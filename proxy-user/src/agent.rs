@@ -68,7 +68,17 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         rev_sock6: args.map_size_rev_sock6,
         ct6: args.map_size_ct6,
     };
-    let _lock = take_writer_lock(&args.state_dir).await?;
+    let _lock = if args.restore_only {
+        match try_writer_lock(&args.state_dir)? {
+            Some(lock) => lock,
+            None => {
+                tracing::info!("--restore-only: another agent holds the node lock and serves this node; nothing to restore");
+                return Ok(());
+            }
+        }
+    } else {
+        take_writer_lock(&args.state_dir).await?
+    };
     let object = match &args.bpf_object {
         Some(path) => Some(std::fs::read(path).with_context(|| format!("reading --bpf-object {}", path.display()))?),
         None => None,
@@ -509,27 +519,41 @@ fn restore_checkpoint<M: crate::lbmap::LbMaps>(state_dir: &std::path::Path, reco
 /// lifetime. A second agent (e.g. a rolling update that overlaps) waits here, before touching
 /// the datapath, until the first one exits; the kernel releases the lock even on SIGKILL.
 async fn take_writer_lock(state_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
-    std::fs::create_dir_all(state_dir).with_context(|| format!("creating --state-dir {}", state_dir.display()))?;
-    let path = state_dir.join("agent.lock");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    // flock(2) underneath: released by the kernel when the holder dies, even on SIGKILL.
-    match file.try_lock() {
-        Ok(()) => return Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => {}
-        Err(std::fs::TryLockError::Error(error)) => return Err(error).with_context(|| format!("locking {}", path.display())),
+    if let Some(file) = try_writer_lock(state_dir)? {
+        return Ok(file);
     }
-    tracing::warn!(lock = %path.display(), "another agent is writing this node's datapath; waiting for it to exit");
+    let file = open_lock_file(state_dir)?;
+    tracing::warn!(lock = %state_dir.join(LOCK_FILE).display(), "another agent is writing this node's datapath; waiting for it to exit");
     tokio::task::spawn_blocking(move || {
         file.lock().context("waiting for the agent lock")?;
         tracing::info!("took over the agent lock");
         Ok(file)
     })
     .await?
+}
+
+const LOCK_FILE: &str = "agent.lock";
+
+/// The node lock if no other agent holds it (flock(2) underneath: released by the kernel when
+/// the holder dies, even on SIGKILL).
+fn try_writer_lock(state_dir: &std::path::Path) -> anyhow::Result<Option<std::fs::File>> {
+    let file = open_lock_file(state_dir)?;
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(error)) => Err(error).with_context(|| format!("locking {}", state_dir.join(LOCK_FILE).display())),
+    }
+}
+
+fn open_lock_file(state_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
+    std::fs::create_dir_all(state_dir).with_context(|| format!("creating --state-dir {}", state_dir.display()))?;
+    let path = state_dir.join(LOCK_FILE);
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))
 }
 
 /// The `/healthz` verdict (also `serviceProxyHealthy` of the healthCheckNodePort answers).

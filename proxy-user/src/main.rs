@@ -1,6 +1,7 @@
 //! `ebpf-proxy`: the node agent that fills the kernel's load-balancing maps, and its tools.
 
 mod agent;
+mod boot_pod;
 mod checkpoint;
 mod desired;
 mod dump;
@@ -66,6 +67,30 @@ enum Command {
     /// Detach and unpin everything the agent created. Service traffic stops being translated.
     /// With `--kube-proxy`, also remove what kube-proxy left behind (as `kube-proxy --cleanup`).
     Cleanup(CleanupArgs),
+    /// Write the static pod that restores the datapath at boot, before the API server answers
+    /// (the DaemonSet's init container `install-boot-pod` runs this): made of this pod's own
+    /// image, hostPath volumes and agent arguments, read from the API; rewritten only when it
+    /// changes, kept as it is when the API server does not answer.
+    BootPod(BootPodArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+struct BootPodArgs {
+    /// The file to write, in kubelet's static pod directory (`staticPodPath`).
+    #[arg(long, default_value = "/etc/kubernetes/manifests/ebpf-proxy-boot.yaml")]
+    manifest: PathBuf,
+    /// This pod's name (downward API `metadata.name`).
+    #[arg(long, env = "POD_NAME")]
+    pod: Option<String>,
+    /// This pod's namespace (downward API `metadata.namespace`).
+    #[arg(long, env = "POD_NAMESPACE")]
+    namespace: Option<String>,
+    /// The container of this pod that runs `ebpf-proxy agent`.
+    #[arg(long, default_value = "agent")]
+    agent_container: String,
+    /// Kubeconfig (default: in-cluster config, then $KUBECONFIG, ~/.kube/config).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -197,8 +222,9 @@ pub struct AgentArgs {
     pub bpf_object: Option<PathBuf>,
     /// Attach the datapath, program it from the checkpoint if the pinned maps are empty (a
     /// reboot), and exit without contacting the source: the boot path, run before the API server
-    /// answers (e.g. as a static pod). It waits for the node lock like any agent, and the agent
-    /// that starts later adopts what it left.
+    /// answers (the static pod of `boot-pod`). When another agent holds the node lock it steps
+    /// aside at once (exit 0): that agent serves the node. The agent that starts later adopts
+    /// what it left.
     #[arg(long)]
     pub restore_only: bool,
 }
@@ -284,6 +310,19 @@ fn main() -> anyhow::Result<()> {
                 dump::print_text(&dump);
             }
             Ok(())
+        }
+        Command::BootPod(args) => {
+            let pod = args.pod.context("no --pod and no $POD_NAME: give the container its pod's name through the downward API")?;
+            let namespace = args
+                .namespace
+                .context("no --namespace and no $POD_NAMESPACE: give the container its pod's namespace through the downward API")?;
+            tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(boot_pod::install(
+                &args.manifest,
+                &namespace,
+                &pod,
+                &args.agent_container,
+                args.kubeconfig.as_deref(),
+            ))
         }
         Command::Cleanup(CleanupArgs { bpffs, kube_proxy }) => {
             let removed = kernel::cleanup(&bpffs).with_context(|| format!("cleaning up {}", bpffs.display()))?;

@@ -206,8 +206,15 @@ impl Agent {
     /// A second agent for the same node (same bpffs, cgroup, source and state dir), other
     /// ports and log. Spawned but not waited for.
     pub fn spawn_second(&self) -> anyhow::Result<Self> {
+        let mut second = self.second();
+        second.spawn()?;
+        Ok(second)
+    }
+
+    /// As [`Agent::spawn_second`], not started yet (its arguments may still change).
+    pub fn second(&self) -> Self {
         let (healthz_port, metrics_port) = free_ports();
-        let mut second = Self {
+        Self {
             child: None,
             bpffs: self.bpffs.clone(),
             cgroup: self.cgroup.clone(),
@@ -220,9 +227,7 @@ impl Agent {
             netns: self.netns.clone(),
             node_name: self.node_name.clone(),
             starts: 0,
-        };
-        second.spawn()?;
-        Ok(second)
+        }
     }
 
     /// Starts the agent process again (after `stop` or `kill`) and waits until it has synced.

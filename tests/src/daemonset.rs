@@ -8,10 +8,11 @@
 //!   side-loaded into the node's containerd (the manifest's default pull policy for a tagged
 //!   image, IfNotPresent, then finds it).
 //! - **Substitution** ([`manifests`]): the image of every container, the API server's address
-//!   (the ConfigMap), and the roots of the three hostPath volumes. This machine is shared, so the
+//!   (the ConfigMap), and the roots of the four hostPath volumes. This machine is shared, so the
 //!   node's equivalents replace the host's: a bpffs directory of the node's own for
 //!   `/sys/fs/bpf`, the node's pods cgroup for `/sys/fs/cgroup` (the host's root would catch every
-//!   process on the machine), and a directory under the node's for `/var/lib/ebpf-proxy`.
+//!   process on the machine), a directory under the node's for `/var/lib/ebpf-proxy`, and the
+//!   node's kubelet `staticPodPath` for `/etc/kubernetes/manifests`.
 //!   Everything else (securityContext, capabilities, probes, ports, propagation) is the
 //!   manifest's own.
 
@@ -34,6 +35,8 @@ pub const INSTALL: [&str; 2] = ["rbac.yaml", "daemonset.yaml"];
 pub const UNINSTALL: [&str; 1] = ["uninstall.yaml"];
 pub const NAMESPACE: &str = "ebpf-proxy";
 pub const NAME: &str = "ebpf-proxy";
+/// The static boot pod the DaemonSet installs (its mirror pod adds `-<node>`).
+pub const BOOT_POD: &str = "ebpf-proxy-boot";
 
 /// What [`manifests`] puts in place of the manifests' defaults.
 #[derive(Clone, Debug)]
@@ -46,6 +49,8 @@ pub struct Install {
     pub cgroup: PathBuf,
     /// For volume `state` (hostPath `/var/lib/ebpf-proxy`).
     pub state: PathBuf,
+    /// For volume `static-pods` (hostPath `/etc/kubernetes/manifests`): kubelet's staticPodPath.
+    pub static_pods: PathBuf,
 }
 
 pub fn deploy_dir() -> PathBuf {
@@ -84,6 +89,7 @@ fn substitute_daemonset(mut daemonset: DaemonSet, install: &Install) -> anyhow::
             "bpffs" => &install.bpffs,
             "cgroup" => &install.cgroup,
             "state" => &install.state,
+            "static-pods" => &install.static_pods,
             other => bail!("hostPath volume {other} ({}) has no substitute", host_path.path),
         }
         .display()
@@ -146,6 +152,7 @@ mod tests {
             bpffs: "/tmp/node/bpffs".into(),
             cgroup: "/sys/fs/cgroup/unified/node".into(),
             state: "/tmp/node/state".into(),
+            static_pods: "/tmp/node/manifests".into(),
         }
     }
 
@@ -170,6 +177,7 @@ mod tests {
             bpffs: "/sys/fs/bpf".into(),
             cgroup: "/sys/fs/cgroup".into(),
             state: "/var/lib/ebpf-proxy".into(),
+            static_pods: "/etc/kubernetes/manifests".into(),
         };
         for (substituted, original) in substituted.into_iter().zip(original) {
             let back = match substituted.get("kind").and_then(|k| k.as_str()) {
@@ -186,7 +194,7 @@ mod tests {
             assert_eq!(back, original);
         }
         let text = manifests(&install(), &all).unwrap();
-        for expected in ["localhost/ebpf-proxy/agent:0.1.0-0123456789ab", "10.244.1.250", "/tmp/node/bpffs", "/sys/fs/cgroup/unified/node", "/tmp/node/state"] {
+        for expected in ["localhost/ebpf-proxy/agent:0.1.0-0123456789ab", "10.244.1.250", "/tmp/node/bpffs", "/sys/fs/cgroup/unified/node", "/tmp/node/state", "/tmp/node/manifests"] {
             assert!(text.contains(expected), "{expected} missing in {text}");
         }
         assert!(!text.contains("latest") && !text.contains("192.0.2.10"), "{text}");

@@ -412,6 +412,76 @@ imageGCLowThresholdPercent: 99
         self.start_controllers(topology, cp, &peers_dir())
     }
 
+    /// What a power cut does to this node, as far as one machine shared with the master can
+    /// show it: kubelet, every pod, containerd and its shims are killed; the mount namespace they
+    /// shared dies with them, and with it the node's bpffs mounts, so every pin, program and map
+    /// is gone; the runtime state a reboot empties (`/run`: containerd's state, the pods'
+    /// network-namespace pins) is removed. What survives a reboot stays: the network namespace
+    /// with its links and addresses, containerd's and kubelet's roots (images, kubelet's
+    /// checkpoints), the static pod directory and any state directory on the node's disk.
+    /// The master's controllers run in the node's daemons cgroup here: stop them first
+    /// ([`Node::stop_controllers`], as a master outage does).
+    pub fn power_off(&mut self) -> anyhow::Result<()> {
+        if let Some(running) = self.processes.iter().find(|(name, _)| CONTROLLERS.contains(name)) {
+            bail!("{} still runs: power_off stands for the node, not the master; stop the controllers first", running.0);
+        }
+        if let Some(index) = self.processes.iter().position(|(name, _)| *name == "kubelet") {
+            kill(self.processes.remove(index).1);
+        }
+        kill_cgroup_everywhere(&self.pods_cgroup);
+        while let Some((_, child)) = self.processes.pop() {
+            kill(child);
+        }
+        kill_cgroup_everywhere(&self.daemons_cgroup);
+        for volatile in [self.path("containerd/state"), self.path("host/run-containerd"), self.path("host/run-netns")] {
+            if volatile.exists() {
+                fs::remove_dir_all(&volatile).with_context(|| format!("emptying {}", volatile.display()))?;
+            }
+            fs::create_dir_all(&volatile).with_context(|| format!("creating {}", volatile.display()))?;
+        }
+        Ok(())
+    }
+
+    /// The node boots after [`Node::power_off`]: its cgroups, containerd and kubelet start again
+    /// (kubelet then starts the static pods from its manifest directory, with or without the
+    /// API server, and the API's pods once it answers).
+    pub fn power_on(&mut self, topology: &Topology, cp: &ControlPlane) -> anyhow::Result<()> {
+        for name in [&self.pods_cgroup, &self.daemons_cgroup] {
+            create_cgroup_everywhere(name)?;
+        }
+        self.start_containerd(topology)?;
+        self.start_kubelet(topology, cp, &peers_dir())
+    }
+
+    /// The last `lines` lines of kubelet's log that contain `filter`.
+    pub fn kubelet_log(&self, filter: &str, lines: usize) -> String {
+        let text = fs::read(self.path("kubelet.log")).map(|bytes| String::from_utf8_lossy(&bytes).into_owned()).unwrap_or_default();
+        let matching: Vec<&str> = text.lines().filter(|line| line.contains(filter)).collect();
+        matching[matching.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// Every container log kubelet wrote for pods whose `<namespace>_<name>` starts with
+    /// `pod_prefix` (`/var/log/pods`, kept across restarts and reboots), each with its path.
+    pub fn pod_logs(&self, pod_prefix: &str) -> String {
+        let mut all = String::new();
+        let mut dirs = vec![self.path("host/var-log-pods")];
+        while let Some(dir) = dirs.pop() {
+            for entry in fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let path = entry.path();
+                let relative = path.strip_prefix(self.path("host/var-log-pods")).unwrap_or(&path).display().to_string();
+                if !relative.starts_with(pod_prefix) {
+                    continue;
+                }
+                if path.is_dir() {
+                    dirs.push(path);
+                } else {
+                    all.push_str(&format!("--- {relative} ---\n{}\n", tail(&path, LOG_TAIL_LINES)));
+                }
+            }
+        }
+        all
+    }
+
     /// Starts `cmd` with its output in `<dir>/<name>.log`, and keeps it to kill on drop.
     fn spawn(&mut self, name: &'static str, mut cmd: Command) -> anyhow::Result<()> {
         let log = log_file(&self.path(&format!("{name}.log")))?;

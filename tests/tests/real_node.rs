@@ -121,6 +121,10 @@ fn the_daemonset_from_deploy_serves_real_pods_through_a_master_failure_a_rollout
     let mut topology = Topology::new().expect("topology");
     // Before the agent starts: the link to it is one of the node's NodePort addresses.
     let external = topology.add_external_client("ext").expect("external client");
+    // "Another node" with a pod that serves a Service and runs a CoreDNS (the reboot phase).
+    // It answers the API server's pod network (its CoreDNS reads the API) and this node's own
+    // address on their link (a host-network client's source), from its pod address.
+    topology.add_remote_pod(NODE2, NODE2_HOST, &["10.244.1.0/24", "192.168.250.1/32"]).expect("another node");
     let mut cp = ControlPlane::start_with(&mut topology, e2e::node::APISERVER_ARGS).expect("control plane");
     let mut node = Node::start(&topology, &cp).expect("node");
     let phase = Phase::new(started, "node and CoreDNS Ready");
@@ -184,7 +188,7 @@ fn daemonset_phases(topology: &Topology, cp: &mut ControlPlane, node: &mut Node,
     node.kubectl(&["-n", NAMESPACE, "delete", "pod", &pod, "--wait=false"])?;
     let next = agent.wait_ready(node, Some(&pod))?;
     phase.done("agent pod deleted and replaced");
-    agent.check_adopted(node, &next)?;
+    agent.check_adopted(node, &next, true)?;
     anyhow::ensure!(pins_of(&bpffs.join("ebpf-proxy"))? == pins, "the pins changed across the restart");
     let after = service_from_client(node, &cluster_ip, 20)?;
     anyhow::ensure!(after.ok == 20, "echo after the agent's restart: {after:?}");
@@ -193,7 +197,10 @@ fn daemonset_phases(topology: &Topology, cp: &mut ControlPlane, node: &mut Node,
     phase.done("a pod's connected UDP socket to a removed backend aborted");
 
     master_down(topology, cp, node, &agent, &next, &cluster_ip, phase)?;
-    pod_deleted_and_rolled(topology, node, &agent, &next, &cluster_ip, phase)?;
+    let rolled = pod_deleted_and_rolled(topology, node, &agent, &next, &cluster_ip, phase)?;
+    reboot_while_master_down(topology, cp, node, &agent, &rolled, phase)?;
+    // The node's own pods come back once kubelet reads them from the API again.
+    wait_answers(|| service_from_client(node, &cluster_ip, 5)).context("echo after the reboot")?;
     uninstall(topology, node, &agent, external, &cluster_ip)?;
     phase.done("uninstalled as the README says");
     Ok(())
@@ -214,6 +221,8 @@ fn uninstall(topology: &Topology, node: &Node, agent: &DeployedAgent, external: 
 
     let pins = node.node_view(&agent.install.bpffs)?.join("ebpf-proxy");
     anyhow::ensure!(!pins.exists(), "pins left: {:?}", pins_of(&pins));
+    let boot_manifest = agent.install.static_pods.join(BOOT_MANIFEST);
+    anyhow::ensure!(!boot_manifest.exists(), "the static boot pod is left: {}", boot_manifest.display());
     let state: Vec<_> = std::fs::read_dir(&agent.install.state)?.flatten().map(|entry| entry.file_name()).collect();
     anyhow::ensure!(state.is_empty(), "state left in {}: {state:?}", agent.install.state.display());
     let programs = cgroup_programs(&agent.install.cgroup)?;
@@ -342,7 +351,7 @@ fn master_down(topology: &Topology, cp: &mut ControlPlane, node: &mut Node, agen
 
 /// Issue 11 item 3: the agent's pod deleted, then the DaemonSet rolled to a new image version,
 /// under steady traffic: no request fails, and each new pod adopts the pins and writes nothing.
-fn pod_deleted_and_rolled(topology: &Topology, node: &Node, agent: &DeployedAgent, agent_pod: &str, cluster_ip: &str, phase: &Phase) -> anyhow::Result<()> {
+fn pod_deleted_and_rolled(topology: &Topology, node: &Node, agent: &DeployedAgent, agent_pod: &str, cluster_ip: &str, phase: &Phase) -> anyhow::Result<String> {
     // A second version of the same image (as a rollout to a new release would bring).
     let next_image = format!("{}-next", agent.install.image);
     node.buildah(topology, &["tag", &agent.install.image, &next_image])?;
@@ -350,18 +359,306 @@ fn pod_deleted_and_rolled(topology: &Topology, node: &Node, agent: &DeployedAgen
     let traffic = SteadyPod::start(node, "steady-rollout", cluster_ip, Duration::from_secs(40))?;
     node.kubectl(&["-n", NAMESPACE, "delete", "pod", agent_pod, "--wait=false"])?;
     let replaced = agent.wait_ready(node, Some(agent_pod))?;
-    agent.check_adopted(node, &replaced)?;
-    node.kubectl(&["-n", NAMESPACE, "set", "image", &format!("daemonset/{}", e2e::daemonset::NAME), &format!("agent={next_image}"), &format!("mount-bpffs={next_image}")])?;
+    agent.check_adopted(node, &replaced, true)?;
+    node.kubectl(&["-n", NAMESPACE, "set", "image", &format!("daemonset/{}", e2e::daemonset::NAME), &format!("agent={next_image}"), &format!("mount-bpffs={next_image}"), &format!("install-boot-pod={next_image}")])?;
     let rolled = agent.wait_ready(node, Some(&replaced))?;
     let image = node.kubectl(&["-n", NAMESPACE, "get", "pod", &rolled, "-o", "jsonpath={.spec.containers[0].image}"])?;
     anyhow::ensure!(image == next_image, "the rolled pod runs {image}");
-    agent.check_adopted(node, &rolled)?;
+    // The static boot pod follows the rollout: a reboot must start the new version.
+    let boot = std::fs::read_to_string(agent.install.static_pods.join(BOOT_MANIFEST))?;
+    anyhow::ensure!(boot.contains(&format!("image: {next_image}")), "the static boot pod was not rewritten for {next_image}:\n{boot}");
+    agent.check_adopted(node, &rolled, true)?;
     let seen = traffic.finish(node)?;
     eprintln!("pod deleted and DaemonSet rolled: {}", counts(&seen));
     anyhow::ensure!(seen.failed() == 0, "requests failed while the agent was replaced: {}", counts(&seen));
     anyhow::ensure!(seen.streams.ok == 2, "long-lived streams must survive: {}", counts(&seen));
     phase.done("agent pod deleted, then DaemonSet rolled to a new image, under steady traffic");
+    Ok(rolled)
+}
+
+/// Issue 11 item 4: the node reboots while the master is down. kubelet cannot start the
+/// DaemonSet's pod without the API, and the reboot emptied bpffs: the static boot pod that the
+/// DaemonSet's init container wrote to kubelet's manifest directory restores the datapath from
+/// the checkpoint. A host-network client on the node (a process in the node's network namespace
+/// and, as every host process on a real node where the agent attaches at the cgroup root, below
+/// the agent's cgroup) then resolves a name through the cluster DNS ClusterIP and reaches a
+/// Service whose endpoints, and the CoreDNS that answers, live on "another node" (a namespace of
+/// its own, outside this kubelet). When the master returns, the DaemonSet's pod starts again and
+/// adopts the datapath, under steady traffic from that client: no request fails.
+fn reboot_while_master_down(topology: &Topology, cp: &mut ControlPlane, node: &mut Node, agent: &DeployedAgent, agent_pod: &str, phase: &Phase) -> anyhow::Result<()> {
+    let boot_manifest = agent.install.static_pods.join(BOOT_MANIFEST);
+    anyhow::ensure!(boot_manifest.is_file(), "the DaemonSet installed no static boot pod at {}", boot_manifest.display());
+    let node2 = Node2::start(topology, cp, node)?;
+    cp.apply(&remote_manifest())?;
+    // CoreDNS runs on the other node only (as a cluster whose DNS pods are elsewhere): this
+    // node's replica is scaled away, so kube-dns's endpoints are the other node's CoreDNS.
+    node.kubectl(&["-n", "kube-system", "scale", "deployment", "coredns", "--replicas=0"])?;
+    let remote_ip = node.kubectl(&["-n", "demo", "get", "service", "remote", "-o", "jsonpath={.spec.clusterIP}"])?;
+    let only_node2 = |ip: &str, port: u16, protocol: &str| {
+        let (ip, protocol) = (ip.to_owned(), protocol.to_owned());
+        move |dump: &serde_json::Value| {
+            dump["services"].as_array().into_iter().flatten().any(|service| {
+                service["ip"] == ip.as_str()
+                    && service["port"] == port
+                    && service["protocol"] == protocol.as_str()
+                    && service["scope"] == "internal"
+                    && service["backends"].as_array().is_some_and(|b| b.len() == 1 && b[0]["ip"] == NODE2_POD_IP)
+            })
+        }
+    };
+    wait_dump(node, agent_pod, only_node2(&remote_ip, 80, "TCP"))?;
+    wait_dump(node, agent_pod, only_node2(&CLUSTER_DNS_IP.to_string(), 53, "UDP"))?;
+    // What the reboot will restore is on disk.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while agent.healthz()?["checkpointCurrent"] != true {
+        anyhow::ensure!(Instant::now() < deadline, "the checkpoint does not catch up: {}", agent.healthz()?);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let before = agent_container(node, agent_pod)?;
+    let host = HostClient { netns: topology.node.path(), cgroup: node.pods_cgroup_v2.join("host-client") };
+    let resolved = host.resolve("remote.demo.svc.cluster.local")?;
+    anyhow::ensure!(resolved == remote_ip, "before the reboot, remote resolved to {resolved}");
+    phase.done("Service and CoreDNS on another node; checkpoint written");
+
+    cp.stop_master()?;
+    node.stop_controllers();
+    node.power_off()?;
+    // What a reboot does to the datapath: the pins went with bpffs, and with them every program.
+    for interface in ["br0", "cni0"] {
+        let (_, programs) = e2e::topology::in_netns(&topology.node.path(), || SchedClassifier::query_tcx(interface, TcAttachType::Ingress))??;
+        anyhow::ensure!(programs.is_empty(), "{} tcx programs still on {interface} after the power cut", programs.len());
+    }
+    let down = host.tcp(&format!("{remote_ip}:80"), 2)?;
+    anyhow::ensure!(down.ok == 0, "the ClusterIP answered with the node off: {down:?}");
+    node.power_on(topology, cp)?;
+    let booted = Instant::now();
+    // With the API still down: only the static pod can have brought the datapath back.
+    let deadline = booted + POD_TIMEOUT;
+    let back = loop {
+        let resolved = host.resolve("remote.demo.svc.cluster.local");
+        let answers = host.tcp(&format!("{remote_ip}:80"), 10);
+        match (&resolved, &answers) {
+            (Ok(ip), Ok(summary)) if *ip == remote_ip && summary.ok == 10 => break summary.clone(),
+            _ if Instant::now() >= deadline => {
+                anyhow::bail!(
+                    "no Service routing {POD_TIMEOUT:?} after the boot: DNS {resolved:?}, TCP {answers:?}\n--- kubelet on the boot pod ---\n{}\n{}",
+                    node.kubelet_log("ebpf-proxy-boot", 40),
+                    node.pod_logs(&format!("{NAMESPACE}_{}", e2e::daemonset::BOOT_POD))
+                )
+            }
+            _ => std::thread::sleep(Duration::from_millis(500)),
+        }
+    };
+    anyhow::ensure!(back.answers.keys().all(|name| name == NODE2), "answered by {:?}", back.answers);
+    eprintln!("Services answered {:.1?} after the boot, with the master down", booted.elapsed());
+    phase.done("node rebooted with the master down: DNS and Services back from the static pod");
+
+    // The master returns; the DaemonSet's pod starts again and takes over, under traffic.
+    let stop = node.dir.join("steady-reboot.stop");
+    let traffic = host
+        .command(&e2e::bin("epx-probe"))?
+        .args(["steady", "--tcp", &format!("{remote_ip}:80"), "--udp", &format!("{remote_ip}:53"), "--tcp-name", "remote.demo.svc.cluster.local:80"])
+        .args(["--dns-server", &format!("{CLUSTER_DNS_IP}:53"), "--rate", "20", "--streams", "2", "--duration-ms", "600000"])
+        .arg("--stop-file")
+        .arg(&stop)
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let traffic = KillOnDrop(Some(traffic));
+    std::thread::sleep(Duration::from_secs(2));
+    cp.start_master()?;
+    node.start_controllers_again(topology, cp)?;
+    let listing = node.kubectl_until(
+        &["-n", NAMESPACE, "get", "pods", "-l", AGENT_LABEL, "-o", "jsonpath={range .items[*]}{.metadata.name} {.status.containerStatuses[0].containerID} {.status.containerStatuses[0].ready}{\"\\n\"}{end}"],
+        POD_TIMEOUT,
+        |out| out.lines().any(|line| line.ends_with(" true") && !line.contains(&before)),
+    )?;
+    let pod = listing.lines().find(|line| line.ends_with(" true") && !line.contains(&before)).and_then(|line| line.split_whitespace().next()).context("no new agent")?.to_owned();
+    agent.check_adopted(node, &pod, false)?;
+    eprintln!("the DaemonSet's agent took over {:.1?} after the boot", booted.elapsed());
+    // A few seconds of its own service before the traffic ends.
+    std::thread::sleep(Duration::from_secs(3));
+    std::fs::write(&stop, "")?;
+    let output = traffic.wait_with_output()?;
+    let seen: e2e::probe::Steady = serde_json::from_slice(&output.stdout).with_context(|| format!("steady printed {:?}", String::from_utf8_lossy(&output.stdout)))?;
+    eprintln!("reboot takeover: {}", counts(&seen));
+    anyhow::ensure!(seen.failed() == 0, "requests failed while the DaemonSet's agent took over: {}", counts(&seen));
+    anyhow::ensure!(seen.tcp.ok > 100 && seen.udp.ok > 100 && seen.by_name.ok > 100, "traffic did not really run: {}", counts(&seen));
+    anyhow::ensure!(seen.streams.ok == 2, "long-lived streams must survive the takeover: {}", counts(&seen));
+    drop(node2);
+    phase.done("master back: the DaemonSet's agent took over with no failed request");
     Ok(())
+}
+
+const BOOT_MANIFEST: &str = "ebpf-proxy-boot.yaml";
+
+/// The container ID of `pod`'s agent container.
+fn agent_container(node: &Node, pod: &str) -> anyhow::Result<String> {
+    let id = node.kubectl(&["-n", NAMESPACE, "get", "pod", pod, "-o", "jsonpath={.status.containerStatuses[0].containerID}"])?;
+    anyhow::ensure!(!id.is_empty(), "{pod} has no container ID");
+    Ok(id)
+}
+
+/// Waits until `ebpf-proxy dump --json` in `agent_pod` satisfies `done`.
+fn wait_dump(node: &Node, agent_pod: &str, done: impl Fn(&serde_json::Value) -> bool) -> anyhow::Result<()> {
+    node.kubectl_until(&["-n", NAMESPACE, "exec", agent_pod, "-c", "agent", "--", "ebpf-proxy", "dump", "--json"], SERVICE_TIMEOUT, |dump| {
+        serde_json::from_str::<serde_json::Value>(dump).is_ok_and(|dump| done(&dump))
+    })
+    .map(drop)
+}
+
+/// Service `remote` (TCP 80, UDP 53) whose only endpoint is the pod on the other node, and a
+/// second EndpointSlice of `kube-dns` naming the CoreDNS there (both managed by the test, as a
+/// controller on that node's behalf would).
+fn remote_manifest() -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: remote, namespace: demo}}
+spec:
+  ports:
+  - {{name: tcp, port: 80, targetPort: 8080, protocol: TCP}}
+  - {{name: udp, port: 53, targetPort: 5353, protocol: UDP}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: remote-{NODE2}
+  namespace: demo
+  labels: {{kubernetes.io/service-name: remote, endpointslice.kubernetes.io/managed-by: epx-tests}}
+addressType: IPv4
+endpoints:
+- {{addresses: ["{NODE2_POD_IP}"], conditions: {{ready: true}}, nodeName: {NODE2}}}
+ports:
+- {{name: tcp, port: 8080, protocol: TCP}}
+- {{name: udp, port: 5353, protocol: UDP}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: kube-dns-{NODE2}
+  namespace: kube-system
+  labels: {{kubernetes.io/service-name: kube-dns, endpointslice.kubernetes.io/managed-by: epx-tests}}
+addressType: IPv4
+endpoints:
+- {{addresses: ["{NODE2_POD_IP}"], conditions: {{ready: true}}, nodeName: {NODE2}}}
+ports:
+- {{name: dns, port: 53, protocol: UDP}}
+- {{name: dns-tcp, port: 53, protocol: TCP}}
+"#
+    )
+}
+
+/// The other node's processes: an echo server and a CoreDNS (the upstream binary, the standard
+/// Corefile's `kubernetes` plugin reading the API server, which it keeps serving from its cache
+/// while the API is down), in that node's namespace and the topology's cgroup (killed on drop).
+struct Node2 {
+    processes: Vec<KillOnDrop>,
+}
+
+impl Node2 {
+    fn start(topology: &Topology, cp: &ControlPlane, node: &Node) -> anyhow::Result<Self> {
+        let mut processes = Vec::new();
+        let log = |name: &str| std::fs::File::create(node.dir.join(format!("{NODE2}-{name}.log")));
+        let echo = topology
+            .command_in(NODE2, &e2e::bin("epx-probe"))?
+            .args(["serve", "--name", NODE2, "--tcp", "8080", "--udp", "5353"])
+            .stdout(log("echo")?)
+            .stderr(log("echo-err")?)
+            .spawn()?;
+        processes.push(KillOnDrop(Some(echo)));
+        let kubeconfig = cp.direct_kubeconfig("coredns-node2")?;
+        let corefile = node.dir.join(format!("{NODE2}-Corefile"));
+        std::fs::write(
+            &corefile,
+            format!(
+                ".:53 {{\n    errors\n    kubernetes cluster.local in-addr.arpa ip6.arpa {{\n        kubeconfig {} epx\n        pods insecure\n        fallthrough in-addr.arpa ip6.arpa\n        ttl 30\n    }}\n    cache 30\n}}\n",
+                kubeconfig.display()
+            ),
+        )?;
+        let coredns = topology
+            .command_in(NODE2, &e2e::control_plane::peers_dir().join("coredns"))?
+            .arg("-conf")
+            .arg(&corefile)
+            .stdout(log("coredns")?)
+            .stderr(log("coredns-err")?)
+            .spawn()?;
+        processes.push(KillOnDrop(Some(coredns)));
+        let server = std::net::SocketAddr::from((NODE2_POD_IP.parse::<std::net::Ipv4Addr>()?, 53));
+        let deadline = Instant::now() + SERVICE_TIMEOUT;
+        loop {
+            let answer = e2e::topology::in_netns(&topology.node.path(), || e2e::dns::resolve(server, "kube-dns.kube-system.svc.cluster.local", Duration::from_secs(1)))?;
+            match answer {
+                Ok(addresses) if addresses == [CLUSTER_DNS_IP] => return Ok(Self { processes }),
+                _ if Instant::now() >= deadline => {
+                    let logs = std::fs::read_to_string(node.dir.join(format!("{NODE2}-coredns.log"))).unwrap_or_default();
+                    anyhow::bail!("CoreDNS on {NODE2} does not answer: {answer:?}\n{logs}")
+                }
+                _ => std::thread::sleep(Duration::from_millis(250)),
+            }
+        }
+    }
+}
+
+impl Drop for Node2 {
+    fn drop(&mut self) {
+        self.processes.clear();
+    }
+}
+
+/// A child process killed when dropped (unless waited for).
+struct KillOnDrop(Option<std::process::Child>);
+
+impl KillOnDrop {
+    fn wait_with_output(mut self) -> std::io::Result<std::process::Output> {
+        self.0.take().expect("not waited for yet").wait_with_output()
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A process on the node's host network: the node's network namespace, and a cgroup below the
+/// agent's (`cgroup`, created on first use), as every host process is on a real node where the
+/// agent attaches at the cgroup root.
+struct HostClient {
+    netns: std::path::PathBuf,
+    cgroup: std::path::PathBuf,
+}
+
+impl HostClient {
+    fn command(&self, program: &std::path::Path) -> anyhow::Result<std::process::Command> {
+        use std::io::Write as _;
+        use std::os::unix::process::CommandExt as _;
+        std::fs::create_dir_all(&self.cgroup).with_context(|| format!("creating {}", self.cgroup.display()))?;
+        let procs = std::fs::OpenOptions::new().write(true).open(self.cgroup.join("cgroup.procs"))?;
+        let mut cmd = std::process::Command::new(program);
+        // SAFETY: only write(2) between fork and exec; the file stays open in the closure.
+        unsafe {
+            cmd.pre_exec(move || {
+                let mut procs = &procs;
+                procs.write_all(b"0")
+            });
+        }
+        e2e::topology::enter_netns_on_exec(&mut cmd, &self.netns)?;
+        Ok(cmd)
+    }
+
+    /// `name`'s first address, asked of the cluster DNS ClusterIP.
+    fn resolve(&self, name: &str) -> anyhow::Result<String> {
+        let out = e2e::topology::run(self.command(&e2e::bin("epx-probe"))?.args(["dns", "--server", &format!("{CLUSTER_DNS_IP}:53"), "--name", name, "--timeout-ms", "1000"]))?;
+        let answer: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        answer["addresses"][0].as_str().map(str::to_owned).with_context(|| format!("no address in {answer}"))
+    }
+
+    fn tcp(&self, to: &str, count: u32) -> anyhow::Result<e2e::probe::Summary> {
+        e2e::probe::client_with(self.command(&e2e::bin("epx-probe"))?, "tcp", to, count)
+    }
 }
 
 /// What steady traffic saw, without the sequence of answers.
@@ -421,6 +718,12 @@ impl SteadyPod {
 }
 
 const NAMESPACE: &str = e2e::daemonset::NAMESPACE;
+/// The DaemonSet's pods (not the static boot pod's mirror, which has a label of its own).
+const AGENT_LABEL: &str = "app.kubernetes.io/name=ebpf-proxy";
+/// "Another node" of the reboot phase: one namespace standing for a node and its pod.
+const NODE2: &str = "node2";
+const NODE2_HOST: u8 = 10;
+const NODE2_POD_IP: &str = "10.244.2.10";
 const PROBE: &str = "/usr/local/bin/epx-probe";
 const NODE_PORT: u16 = 30080;
 const HEALTHZ_PORT: u16 = 10256;
@@ -464,6 +767,7 @@ impl DeployedAgent {
             bpffs: node.dir.join("bpffs"),
             cgroup: node.pods_cgroup_v2.clone(),
             state: node.dir.join("ebpf-proxy-state"),
+            static_pods: node.dir.join("manifests"),
         };
         // deploy/ with the substitution, file by file, to be used as the README says.
         let deploy = node.dir.join("deploy");
@@ -481,7 +785,7 @@ impl DeployedAgent {
     /// The name of a Ready agent pod other than `previous`, not being deleted.
     fn wait_ready(&self, node: &Node, previous: Option<&str>) -> anyhow::Result<String> {
         let listing = node.kubectl_until(
-            &["-n", NAMESPACE, "get", "pods", "-o", "jsonpath={range .items[*]}{.metadata.name} {.status.containerStatuses[0].ready} {.metadata.deletionTimestamp}{\"\\n\"}{end}"],
+            &["-n", NAMESPACE, "get", "pods", "-l", AGENT_LABEL, "-o", "jsonpath={range .items[*]}{.metadata.name} {.status.containerStatuses[0].ready} {.metadata.deletionTimestamp}{\"\\n\"}{end}"],
             POD_TIMEOUT,
             |out| ready_pod(out, previous).is_some(),
         )?;
@@ -489,8 +793,9 @@ impl DeployedAgent {
     }
 
     /// Checks from `pod`'s log that it adopted the pinned datapath: it found the frontends in the
-    /// pinned maps, attached no program anew, and its first sync wrote nothing.
-    fn check_adopted(&self, node: &Node, pod: &str) -> anyhow::Result<()> {
+    /// pinned maps, attached no program anew, and (`unchanged`: nothing changed in the API
+    /// meanwhile) its first sync wrote nothing.
+    fn check_adopted(&self, node: &Node, pod: &str, unchanged: bool) -> anyhow::Result<()> {
         let logs = node.kubectl_until(&["-n", NAMESPACE, "logs", pod, "-c", "agent"], SERVICE_TIMEOUT, |logs| logs.contains(" synced"))?;
         anyhow::ensure!(!logs.contains("attached and pinned"), "{pod} attached programs anew:\n{logs}");
         let field = |marker: &str, name: &str| -> anyhow::Result<usize> {
@@ -502,8 +807,14 @@ impl DeployedAgent {
         let adopted = field("datapath ready", "frontends")?;
         anyhow::ensure!(adopted > 0, "{pod} did not adopt the pinned maps:\n{logs}");
         let writes = field(" synced", "writes")?;
-        anyhow::ensure!(writes == 0, "{pod}'s first sync wrote {writes} entries to maps it adopted:\n{logs}");
+        anyhow::ensure!(!unchanged || writes == 0, "{pod}'s first sync wrote {writes} entries to maps it adopted:\n{logs}");
         Ok(())
+    }
+
+    /// `/healthz`'s body.
+    fn healthz(&self) -> anyhow::Result<serde_json::Value> {
+        let (_, body) = self.http(HEALTHZ_PORT, "/healthz")?;
+        Ok(serde_json::from_str(&body)?)
     }
 
     /// GET on the agent's port on the node's network.

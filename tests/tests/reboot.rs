@@ -115,3 +115,22 @@ fn a_restore_only_run_brings_services_back_after_a_reboot_and_the_agent_adopts_t
     let first_sync = log.lines().find(|line| line.contains(" synced")).unwrap_or_else(|| panic!("no sync in {log}"));
     assert!(first_sync.contains(" writes=0 "), "the adopting agent rewrote maps: {first_sync}");
 }
+
+/// The static boot pod also starts when a node boots with the API server up, and again whenever
+/// kubelet restarts it: its `--restore-only` must neither wait for nor disturb the agent that
+/// serves the node. It finds the node lock held, says so and exits at once.
+#[test]
+fn a_restore_only_run_steps_aside_while_an_agent_serves_the_node() {
+    let env = KubeEnv::new();
+    let frontends = env.frontends();
+    let mut boot = env.agent.second();
+    boot.extra_args.push("--restore-only".into());
+    let status = boot.start_expecting_exit(Duration::from_secs(10)).expect("restore-only run");
+    assert!(status.success(), "{status}\n{}", boot.log_text());
+    assert!(boot.log_text().contains("another agent holds the node lock"), "{}", boot.log_text());
+    assert!(!boot.log_text().contains("attached and pinned"), "{}", boot.log_text());
+    assert_eq!(env.frontends(), frontends);
+    assert!(env.agent.is_healthy(), "the serving agent was disturbed:\n{}", env.agent.log_text());
+    let summary = probe::tcp(&env.topo, "client", &format!("{VIP}:80"), 20).expect("probe");
+    assert_eq!(summary.failed, 0, "{summary:?}");
+}

@@ -71,6 +71,13 @@ enum Cmd {
         /// through /etc/resolv.conf (as `dns`), as a client that caches no DNS answer.
         #[arg(long, value_name = "NAME:PORT")]
         tcp_name: Option<String>,
+        /// Ask this DNS server for `--tcp-name` instead of /etc/resolv.conf's (a host process
+        /// that uses the cluster DNS ClusterIP).
+        #[arg(long)]
+        dns_server: Option<SocketAddr>,
+        /// End early, as at the deadline, once this file exists.
+        #[arg(long)]
+        stop_file: Option<std::path::PathBuf>,
     },
     /// CLIENTS clients (threads), each making COUNT requests of KIND (`tcp`: connect, read the
     /// server's name, close; `udp`: a datagram from a new socket, so a new flow, and its answer)
@@ -439,12 +446,20 @@ fn run_requests(count: u32, mut once: impl FnMut() -> std::io::Result<String>) -
     summary
 }
 
+/// Set once `steady --stop-file` exists: every paced loop and stream ends as at its deadline.
+static STOPPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Before `until`, and not stopped early.
+fn running(until: Instant) -> bool {
+    Instant::now() < until && !STOPPED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Requests at `rate` per second until `until`, each judged by `once`.
 fn paced(rate: u32, until: Instant, mut once: impl FnMut() -> std::io::Result<String>) -> Summary {
     let period = Duration::from_secs_f64(1.0 / f64::from(rate.max(1)));
     let mut next = Instant::now();
     let mut results = Vec::new();
-    while Instant::now() < until {
+    while running(until) {
         results.push(once());
         next += period;
         if let Some(wait) = next.checked_duration_since(Instant::now()) {
@@ -465,7 +480,7 @@ fn stream(to: SocketAddr, until: Instant) -> std::io::Result<String> {
     reader.read_line(&mut name)?;
     let mut writer = stream;
     let mut n = 0u64;
-    while Instant::now() < until {
+    while running(until) {
         n += 1;
         writer.write_all(format!("{n}\n").as_bytes())?;
         let mut echo = String::new();
@@ -687,11 +702,19 @@ fn last_answer(to: SocketAddr, name: &str, rate: u32, quiet: Duration, limit: Du
     result
 }
 
-fn steady(tcp: SocketAddr, udp: SocketAddr, rate: u32, streams: u32, duration: Duration, tcp_name: Option<String>) -> Steady {
+fn steady(tcp: SocketAddr, udp: SocketAddr, rate: u32, streams: u32, duration: Duration, tcp_name: Option<String>, dns_server: Option<SocketAddr>, stop_file: Option<std::path::PathBuf>) -> Steady {
     let until = Instant::now() + duration;
+    if let Some(stop_file) = stop_file {
+        std::thread::spawn(move || {
+            while !stop_file.exists() {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            STOPPED.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+    }
     let stream_threads: Vec<_> = (0..streams).map(|_| std::thread::spawn(move || stream(tcp, until))).collect();
     let udp_thread = std::thread::spawn(move || paced(rate, until, || udp_once(udp, Duration::from_secs(1))));
-    let by_name_thread = tcp_name.map(|to| std::thread::spawn(move || paced(rate, until, || tcp_by_name(&to, Duration::from_secs(1)))));
+    let by_name_thread = tcp_name.map(|to| std::thread::spawn(move || paced(rate, until, || tcp_by_name(&to, dns_server, Duration::from_secs(1)))));
     let tcp_summary = paced(rate, until, || tcp_once(tcp, Duration::from_secs(1)));
     let mut results = stream_threads.into_iter().map(|t| t.join().expect("stream thread"));
     Steady {
@@ -702,11 +725,12 @@ fn steady(tcp: SocketAddr, udp: SocketAddr, rate: u32, streams: u32, duration: D
     }
 }
 
-/// `NAME:PORT` looked up through /etc/resolv.conf, then one TCP request to its first address.
-fn tcp_by_name(to: &str, timeout: Duration) -> std::io::Result<String> {
+/// `NAME:PORT` looked up through /etc/resolv.conf (at `server` if given), then one TCP request
+/// to its first address.
+fn tcp_by_name(to: &str, server: Option<SocketAddr>, timeout: Duration) -> std::io::Result<String> {
     let (name, port) = to.rsplit_once(':').ok_or_else(|| std::io::Error::other(format!("{to} is not NAME:PORT")))?;
     let port: u16 = port.parse().map_err(std::io::Error::other)?;
-    let (_, addresses) = dns(name, None, timeout).map_err(|e| std::io::Error::other(format!("DNS: {e:#}")))?;
+    let (_, addresses) = dns(name, server, timeout).map_err(|e| std::io::Error::other(format!("DNS: {e:#}")))?;
     let address = addresses.first().ok_or_else(|| std::io::Error::other("DNS: no address"))?;
     tcp_once(SocketAddr::from((*address, port)), timeout)
 }
@@ -731,8 +755,8 @@ fn dns(name: &str, server: Option<SocketAddr>, timeout: Duration) -> anyhow::Res
 
 fn main() {
     let cli = Cli::parse();
-    if let Cmd::Steady { tcp, udp, rate, streams, duration_ms, tcp_name } = cli.command {
-        let result = steady(tcp, udp, rate, streams, Duration::from_millis(duration_ms), tcp_name);
+    if let Cmd::Steady { tcp, udp, rate, streams, duration_ms, tcp_name, dns_server, stop_file } = cli.command {
+        let result = steady(tcp, udp, rate, streams, Duration::from_millis(duration_ms), tcp_name, dns_server, stop_file);
         println!("{}", serde_json::to_string(&result).expect("serialisable"));
         return;
     }
