@@ -26,7 +26,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Node;
 use serde::{Deserialize, Serialize};
 
-use crate::ipparse::{parse_ip_sloppy, special_address, Cidr};
+use crate::ipparse::{parse_cidr_sloppy, parse_ip_sloppy, special_address, Cidr};
 use endpoints::{categorize, Categorized, NodeView, ServiceEndpoints};
 #[cfg(test)]
 pub use incremental::group;
@@ -282,7 +282,7 @@ impl NodePortAddresses {
                 .iter()
                 .map(|item| match *item {
                     "primary" => Err("\"primary\" cannot be combined with CIDRs".to_owned()),
-                    _ => Cidr::parse(item).ok_or_else(|| format!("invalid CIDR {item:?}")),
+                    _ => parse_cidr_sloppy(item).ok_or_else(|| format!("invalid CIDR {item:?}")),
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map(Self::Cidrs),
@@ -381,8 +381,8 @@ fn nodeport_addresses(config: &NodeConfig, node: Option<&Node>) -> Vec<IpAddr> {
     match &config.nodeport_addresses {
         NodePortAddresses::All => on_interfaces(&|_| true),
         NodePortAddresses::Cidrs(cidrs) => on_interfaces(&|a| {
-            let mut of_family = cidrs.iter().filter(|c| c.is_ipv6() == a.is_ipv6()).peekable();
-            of_family.peek().is_none() || of_family.any(|c| c.contains(a))
+            let mut of_family = cidrs.iter().filter(|c| c.addr().is_ipv6() == a.is_ipv6()).peekable();
+            of_family.peek().is_none() || of_family.any(|c| c.contains(&a))
         }),
         NodePortAddresses::Primary => {
             let primary = primary_node_ips(node);

@@ -4,8 +4,7 @@
 //! and read them as decimal; such objects still exist in etcd. Rust's parser rejects them, and an
 //! octal reading would send traffic elsewhere (CVE-2021-29923), so we parse them as decimal.
 
-use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr};
 
 /// Parses an IP address the way kube-proxy reads it from the API (`netutils.ParseIPSloppy`).
 pub fn parse_ip_sloppy(text: &str) -> Option<IpAddr> {
@@ -51,51 +50,18 @@ fn parse_ipv4_leading_zeros(text: &str) -> Option<Ipv4Addr> {
     parts.next().is_none().then_some(Ipv4Addr::from(octets))
 }
 
-/// An IP network (`10.0.0.0/8`, `fd00::/64`), parsed as Kubernetes' `ParseCIDRSloppy` does: the
-/// address may have leading zeros, and host bits are masked off.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Cidr {
-    network: IpAddr,
-    prefix: u8,
-}
+/// An IP network (`10.0.0.0/8`, `fd00::/64`): ipnet's.
+pub type Cidr = ipnet::IpNet;
 
-impl Cidr {
-    pub fn parse(text: &str) -> Option<Self> {
-        let (addr, prefix) = text.split_once('/')?;
-        if prefix.is_empty() || prefix.len() > 3 || !prefix.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
-        }
-        let prefix: u8 = prefix.parse().ok()?;
-        Some(Self { network: mask(parse_ip_sloppy(addr)?, prefix)?, prefix })
+/// A CIDR as Kubernetes' `ParseCIDRSloppy` reads it: the address may have leading zeros (read
+/// as decimal, see [`parse_ip_sloppy`]), the prefix is decimal digits only, and host bits are
+/// masked off. None when it is no CIDR.
+pub fn parse_cidr_sloppy(text: &str) -> Option<Cidr> {
+    let (addr, prefix) = text.split_once('/')?;
+    if prefix.is_empty() || prefix.len() > 3 || !prefix.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
     }
-
-    pub fn contains(&self, addr: IpAddr) -> bool {
-        mask(addr, self.prefix) == Some(self.network)
-    }
-
-    pub fn is_ipv6(&self) -> bool {
-        self.network.is_ipv6()
-    }
-}
-
-/// `addr` with all but the first `prefix` bits cleared; None if the prefix is too long for its family.
-fn mask(addr: IpAddr, prefix: u8) -> Option<IpAddr> {
-    let prefix = u32::from(prefix);
-    match addr {
-        IpAddr::V4(ip) if prefix <= 32 => {
-            Some(IpAddr::V4(Ipv4Addr::from(u32::from(ip) & u32::MAX.checked_shl(32 - prefix).unwrap_or(0))))
-        }
-        IpAddr::V6(ip) if prefix <= 128 => {
-            Some(IpAddr::V6(Ipv6Addr::from(u128::from(ip) & u128::MAX.checked_shl(128 - prefix).unwrap_or(0))))
-        }
-        _ => None,
-    }
-}
-
-impl fmt::Display for Cidr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.network, self.prefix)
-    }
+    Some(Cidr::new(parse_ip_sloppy(addr)?, prefix.parse().ok()?).ok()?.trunc())
 }
 
 #[cfg(test)]
@@ -118,16 +84,16 @@ mod tests {
 
     #[test]
     fn cidrs_parse_mask_and_match_per_family() {
-        let net = Cidr::parse("10.244.1.7/24").unwrap();
+        let net = parse_cidr_sloppy("10.244.1.7/24").unwrap();
         assert_eq!(net.to_string(), "10.244.1.0/24");
-        assert!(net.contains("10.244.1.1".parse().unwrap()));
-        assert!(!net.contains("10.244.2.1".parse().unwrap()));
-        assert!(!net.contains("fd00::1".parse().unwrap()));
-        assert!(Cidr::parse("0.0.0.0/0").unwrap().contains("192.0.2.1".parse().unwrap()));
-        assert!(Cidr::parse("fd00::/8").unwrap().contains("fd12::1".parse().unwrap()));
-        assert_eq!(Cidr::parse("010.0.0.0/8").unwrap().to_string(), "10.0.0.0/8");
+        assert!(net.contains(&"10.244.1.1".parse::<IpAddr>().unwrap()));
+        assert!(!net.contains(&"10.244.2.1".parse::<IpAddr>().unwrap()));
+        assert!(!net.contains(&"fd00::1".parse::<IpAddr>().unwrap()));
+        assert!(parse_cidr_sloppy("0.0.0.0/0").unwrap().contains(&"192.0.2.1".parse::<IpAddr>().unwrap()));
+        assert!(parse_cidr_sloppy("fd00::/8").unwrap().contains(&"fd12::1".parse::<IpAddr>().unwrap()));
+        assert_eq!(parse_cidr_sloppy("010.0.0.0/8").unwrap().to_string(), "10.0.0.0/8");
         for bad in ["10.0.0.0", "10.0.0.0/33", "fd00::/129", "10.0.0.0/", "/8", " 10.0.0.0/8", "10.0.0.0/8 ", "10.0.0.0/-1", "foo/8"] {
-            assert_eq!(Cidr::parse(bad), None, "{bad:?}");
+            assert_eq!(parse_cidr_sloppy(bad), None, "{bad:?}");
         }
     }
 }

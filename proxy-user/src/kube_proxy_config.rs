@@ -17,7 +17,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::desired::NodePortAddresses;
-use crate::ipparse::{parse_ip_sloppy, Cidr};
+use crate::ipparse::{parse_cidr_sloppy, parse_ip_sloppy, Cidr};
 
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 pub const KIND: &str = "KubeProxyConfiguration";
@@ -142,7 +142,7 @@ pub fn parse(path: &Path, text: &str) -> Result<FileSettings, ConfigError> {
     if let Some(text) = set(&config.cluster_cidr) {
         // kube-proxy: one CIDR, or a comma-separated dual-stack pair.
         for item in text.split(',') {
-            let cidr = Cidr::parse(item.trim()).ok_or_else(|| invalid("clusterCIDR", text, "a CIDR or a comma-separated pair of CIDRs"))?;
+            let cidr = parse_cidr_sloppy(item.trim()).ok_or_else(|| invalid("clusterCIDR", text, "a CIDR or a comma-separated pair of CIDRs"))?;
             settings.cluster_cidrs.push(cidr);
         }
     }
@@ -222,7 +222,7 @@ fn nodeport_addresses(list: &[String]) -> Result<NodePortAddresses, (usize, Stri
             // kube-proxy serves loopback NodePorts only in iptables mode (and nftables behind a
             // feature gate); the packet programs here never see loopback traffic.
             "localhost" => return Err((index, item.to_string(), "supported by ebpf-proxy (NodePorts on loopback)")),
-            _ if Cidr::parse(item).is_none() => return Err((index, item.to_string(), "a CIDR, `primary` or `all`")),
+            _ if parse_cidr_sloppy(item).is_none() => return Err((index, item.to_string(), "a CIDR, `primary` or `all`")),
             _ => {}
         }
     }

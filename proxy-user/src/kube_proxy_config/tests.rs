@@ -37,7 +37,7 @@ fn the_kubeadm_configmap_gives_its_kubeconfig_and_leaves_the_rest_to_the_default
         FileSettings {
             kubeconfig: Some("/var/lib/kube-proxy/kubeconfig.conf".into()),
             bind_address: Some(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
-            cluster_cidrs: vec![Cidr::parse("10.244.0.0/16").unwrap()],
+            cluster_cidrs: vec![parse_cidr_sloppy("10.244.0.0/16").unwrap()],
             // Only clusterCIDR is set among the fields without effect here: nothing else to warn about.
             ignored: vec!["clusterCIDR".into()],
             ..FileSettings::default()

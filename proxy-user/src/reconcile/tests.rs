@@ -473,7 +473,7 @@ fn incremental_sync_matches_a_full_computation_over_random_changes() {
     }
 
     for seed in 1..=12u64 {
-        let mut rng = Rng(seed * 0x9e37_79b9_7f4a_7c15);
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let mut services: BTreeMap<u64, Arc<desired::ServiceInfo>> = BTreeMap::new();
         let mut slices: BTreeMap<u64, Arc<desired::Slice>> = BTreeMap::new();
         let mut config = NodeConfig { node_name: "node-1".into(), interface_addresses: vec!["192.168.0.10".parse().unwrap()], ..Default::default() };
