@@ -294,6 +294,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         st.metrics.rejected_now.set(metrics::gauge_count(rejections.len()));
         st.metrics.health_check_ports.set(metrics::gauge_count(health_checks.open_ports()));
         st.metrics.sync_duration.observe(elapsed.as_secs_f64());
+        st.metrics.map_writes.inc_by(report.writes as u64);
         st.datapath_error =
             report.failures.first().map(|f| format!("not programmed: {}: {}", f.what, error_chain(&f.error)));
         if failing {

@@ -71,6 +71,8 @@ pub struct SyncMetrics {
     pub network_programming: Histogram,
     pub syncs: Counter,
     pub sync_failures: Counter,
+    /// Map entries written or deleted by syncs since the agent started.
+    pub map_writes: Counter,
     /// Unix time of the last sync that programmed everything (0: none yet).
     pub last_sync_timestamp: Gauge<f64, AtomicU64>,
     pub services: Gauge,
@@ -97,6 +99,7 @@ impl Default for SyncMetrics {
             network_programming: Histogram::new(kube_proxy_network_programming_buckets()),
             syncs: Counter::default(),
             sync_failures: Counter::default(),
+            map_writes: Counter::default(),
             last_sync_timestamp: Gauge::default(),
             services: Gauge::default(),
             frontends: Gauge::default(),
@@ -156,6 +159,7 @@ mod help {
     pub const NETWORK_PROGRAMMING: &str = "Time from an API change (an EndpointSlice's endpoints.kubernetes.io/last-change-trigger-time, else when the agent received it) to the datapath programmed";
     pub const SYNCS: &str = "Syncs that programmed everything";
     pub const SYNC_FAILURES: &str = "Syncs with a frontend that could not be programmed (retried every second)";
+    pub const MAP_WRITES: &str = "Map entries written or deleted by syncs since the agent started (an agent that adopted a datapath already as the source wants it writes none)";
     pub const LAST_SYNC: &str = "Unix time of the last sync that programmed everything (0: none yet)";
     pub const SERVICES: &str = "Services (namespace/name) whose frontends are all in the datapath";
     pub const FRONTENDS: &str = "Frontends (address, port, protocol, scope) in the datapath";
@@ -183,6 +187,7 @@ pub fn registry(
     // Counters are registered without `_total`: the encoder appends it.
     registry.register("ebpf_proxy_sync", help::SYNCS, m.syncs.clone());
     registry.register("ebpf_proxy_sync_failures", help::SYNC_FAILURES, m.sync_failures.clone());
+    registry.register("ebpf_proxy_sync_map_writes", help::MAP_WRITES, m.map_writes.clone());
     registry.register("ebpf_proxy_last_sync_timestamp_seconds", help::LAST_SYNC, m.last_sync_timestamp.clone());
     registry.register("ebpf_proxy_services_programmed", help::SERVICES, m.services.clone());
     registry.register("ebpf_proxy_frontends_programmed", help::FRONTENDS, m.frontends.clone());

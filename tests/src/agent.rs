@@ -194,6 +194,23 @@ impl Agent {
         Ok(agent)
     }
 
+    /// The value of one sample of `/metrics` (`name` or `name{labels}` exactly as exposed).
+    pub fn metric(&self, series: &str) -> anyhow::Result<f64> {
+        let (status, text) = self.get(true, "/metrics")?;
+        anyhow::ensure!(status == 200, "/metrics answered {status}: {text}");
+        let value = text
+            .lines()
+            .filter(|line| !line.starts_with('#'))
+            .find_map(|line| line.rsplit_once(' ').filter(|(name, _)| *name == series).map(|(_, value)| value))
+            .with_context(|| format!("no sample {series} in /metrics:\n{text}"))?;
+        Ok(value.parse()?)
+    }
+
+    /// Map entries this agent process's syncs wrote or deleted (`/metrics`).
+    pub fn map_writes(&self) -> anyhow::Result<u64> {
+        Ok(self.metric("ebpf_proxy_sync_map_writes_total")? as u64)
+    }
+
     /// `GET path` on the agent's healthz (`metrics: false`) or metrics port, in its namespace.
     pub fn get(&self, metrics: bool, path: &str) -> std::io::Result<(u16, String)> {
         let port = if metrics { self.metrics_port } else { self.healthz_port };

@@ -6,14 +6,6 @@ use std::time::Duration;
 use e2e::probe::SteadyTraffic;
 use e2e::scenario::{Env, VIP};
 
-/// "synced ... writes=N" lines of the agent log, in order.
-fn sync_writes(log: &str) -> Vec<u64> {
-    log.lines()
-        .filter(|l| l.contains(" synced "))
-        .filter_map(|l| l.split("writes=").nth(1)?.split_whitespace().next()?.parse().ok())
-        .collect()
-}
-
 /// 50 short TCP connections and UDP requests per second plus 2 streams to the web Service, for
 /// `duration`; returns once the traffic has been running for half a second.
 fn steady_traffic(env: &Env, duration: Duration) -> SteadyTraffic {
@@ -26,12 +18,16 @@ fn steady_traffic(env: &Env, duration: Duration) -> SteadyTraffic {
 #[test]
 fn sigkill_and_restart_ten_times_fails_no_connection_and_rewrites_nothing() {
     let mut env = Env::new();
+    // The first start programs everything; each restart finds the maps right and writes nothing.
+    assert!(env.agent.map_writes().expect("metrics") > 0);
     let traffic = steady_traffic(&env, Duration::from_secs(8));
+    let mut restart_writes = Vec::new();
     for _ in 0..10 {
         env.agent.kill().expect("SIGKILL");
         std::thread::sleep(Duration::from_millis(100));
         // Restart: re-open pins, swap programs in the pinned links, re-learn, sync.
         env.agent.restart().expect("restart");
+        restart_writes.push(env.agent.map_writes().expect("metrics"));
         std::thread::sleep(Duration::from_millis(200));
     }
     let seen = traffic.finish().expect("traffic result");
@@ -39,11 +35,7 @@ fn sigkill_and_restart_ten_times_fails_no_connection_and_rewrites_nothing() {
     assert_eq!(seen.failed(), 0, "failed connections during 10 SIGKILL/restart cycles: {seen:?}");
     assert!(seen.tcp.ok >= 300 && seen.udp.ok >= 300, "traffic did not really run: {seen:?}");
     assert_eq!(seen.streams.ok, 2, "long-lived streams must survive: {seen:?}");
-
-    // The first start programs everything; each restart finds the maps right and writes nothing.
-    let writes = sync_writes(&env.agent.log_text());
-    assert_eq!(writes.len(), 11, "{writes:?}");
-    assert!(writes[0] > 0 && writes[1..].iter().all(|w| *w == 0), "{writes:?}");
+    assert_eq!(restart_writes, [0; 10], "map entries written by each restart's first sync");
 }
 
 /// `program=NAME old_tag=... new_tag=...` of every "upgraded the program" log line.
@@ -67,12 +59,14 @@ fn an_upgrade_to_changed_programs_and_back_fails_no_connection() {
     env.agent.stop().expect("SIGTERM old agent");
     env.agent.extra_args = vec!["--bpf-object".into(), e2e::upgrade_object().display().to_string()];
     env.agent.restart().expect("upgraded agent");
+    let mut start_writes = vec![env.agent.map_writes().expect("metrics")];
     let upgraded = upgrades(&env.agent.log_text());
     std::thread::sleep(Duration::from_secs(2));
     // Roll back to the built-in programs.
     env.agent.stop().expect("SIGTERM upgraded agent");
     env.agent.extra_args.clear();
     env.agent.restart().expect("rolled-back agent");
+    start_writes.push(env.agent.map_writes().expect("metrics"));
     let seen = traffic.finish().expect("traffic result");
     eprintln!("{seen:?}");
 
@@ -87,7 +81,7 @@ fn an_upgrade_to_changed_programs_and_back_fails_no_connection() {
     assert!(seen.tcp.ok >= 200 && seen.udp.ok >= 200, "traffic did not really run: {seen:?}");
     assert_eq!(seen.streams.ok, 2, "long-lived streams must survive: {seen:?}");
     // The maps were kept: neither start rewrote anything.
-    assert_eq!(sync_writes(&env.agent.log_text())[1..], [0, 0]);
+    assert_eq!(start_writes, [0, 0]);
 }
 
 #[test]
@@ -101,7 +95,7 @@ fn a_second_agent_waits_for_the_first_and_takes_over_when_it_dies() {
     env.agent.kill().expect("kill first");
     second.wait_healthy(Duration::from_secs(10)).expect("second agent takes over");
     // It changed nothing: the first agent's state was already right.
-    assert_eq!(sync_writes(&second.log_text()), [0]);
+    assert_eq!(second.map_writes().expect("metrics"), 0);
     let summary = env.tcp(&format!("{VIP}:80"), 50);
     assert_eq!(summary.failed, 0, "{summary:?}");
 }

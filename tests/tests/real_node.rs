@@ -806,8 +806,14 @@ impl DeployedAgent {
         };
         let adopted = field("datapath ready", "frontends")?;
         anyhow::ensure!(adopted > 0, "{pod} did not adopt the pinned maps:\n{logs}");
-        let writes = field(" synced", "writes")?;
-        anyhow::ensure!(!unchanged || writes == 0, "{pod}'s first sync wrote {writes} entries to maps it adopted:\n{logs}");
+        // What the pod's agent wrote, from its /metrics (the node's port: hostNetwork).
+        let (_, metrics) = self.http(METRICS_PORT, "/metrics")?;
+        let writes: u64 = metrics
+            .lines()
+            .find_map(|line| line.strip_prefix("ebpf_proxy_sync_map_writes_total "))
+            .with_context(|| format!("no ebpf_proxy_sync_map_writes_total in /metrics:\n{metrics}"))?
+            .parse()?;
+        anyhow::ensure!(!unchanged || writes == 0, "{pod} wrote {writes} map entries to maps it adopted:\n{logs}");
         Ok(())
     }
 
