@@ -48,9 +48,11 @@ const TCP_KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
 const TCP_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 const TCP_KEEPALIVE_RETRIES: u32 = 3;
 /// While a watch is failing, the API is probed (`GET /version`) about this often (uniformly
-/// 0.5 to 1.5 times it, so that nodes that lost the API together do not probe and relist in
-/// the same second): an answer recreates the failed watches at once instead of after their
-/// backoff. Nothing is probed while every watch is fine.
+/// 1 to 1.5 times it, so that nodes that lost the API together do not probe and relist in the
+/// same second): an answer recreates the failed watches at once instead of after their
+/// backoff. Never sooner than 2 s: kube-runtime's watcher retries by itself first (after 0.8 to
+/// 1.6 s), resuming where it was, and a probe that beat it would relist instead, hiding what the
+/// resumed watch would have said (a `410 Gone`). Nothing is probed while every watch is fine.
 const PROBE_INTERVAL_FAILING: Duration = Duration::from_secs(2);
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -108,9 +110,9 @@ fn build_client(config: Config) -> anyhow::Result<Client> {
     Ok(Client::new(service, config.default_namespace))
 }
 
-/// `base` scaled by a uniform factor in [0.5, 1.5).
+/// `base` scaled by a uniform factor in [1, 1.5).
 fn jittered(base: Duration) -> Duration {
-    base.mul_f64(0.5 + fastrand::f64())
+    base.mul_f64(1.0 + 0.5 * fastrand::f64())
 }
 
 type ObjectKey = (String, String);
