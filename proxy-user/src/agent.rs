@@ -520,10 +520,10 @@ fn restore_checkpoint<M: crate::lbmap::LbMaps>(state_dir: &std::path::Path, reco
 /// lifetime. A second agent (e.g. a rolling update that overlaps) waits here, before touching
 /// the datapath, until the first one exits; the kernel releases the lock even on SIGKILL.
 async fn take_writer_lock(state_dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
-    if let Some(file) = try_writer_lock(state_dir)? {
+    let file = open_lock_file(state_dir)?;
+    if try_lock(&file, state_dir)? {
         return Ok(file);
     }
-    let file = open_lock_file(state_dir)?;
     tracing::warn!(lock = %state_dir.join(LOCK_FILE).display(), "another agent is writing this node's datapath; waiting for it to exit");
     tokio::task::spawn_blocking(move || {
         file.lock().context("waiting for the agent lock")?;
@@ -539,9 +539,14 @@ const LOCK_FILE: &str = "agent.lock";
 /// the holder dies, even on SIGKILL).
 fn try_writer_lock(state_dir: &std::path::Path) -> anyhow::Result<Option<std::fs::File>> {
     let file = open_lock_file(state_dir)?;
+    Ok(try_lock(&file, state_dir)?.then_some(file))
+}
+
+/// Whether the lock was taken (false: another agent holds it).
+fn try_lock(file: &std::fs::File, state_dir: &std::path::Path) -> anyhow::Result<bool> {
     match file.try_lock() {
-        Ok(()) => Ok(Some(file)),
-        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Ok(()) => Ok(true),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(false),
         Err(std::fs::TryLockError::Error(error)) => Err(error).with_context(|| format!("locking {}", state_dir.join(LOCK_FILE).display())),
     }
 }

@@ -95,7 +95,7 @@ pub fn static_pod(own: &Pod, agent_container: &str) -> anyhow::Result<Pod> {
         container
     };
     // The bpffs mount (and any other set-up the DaemonSet does first), not this installer.
-    let init: Vec<Container> = spec
+    let mut init: Vec<Container> = spec
         .init_containers
         .iter()
         .flatten()
@@ -115,7 +115,6 @@ pub fn static_pod(own: &Pod, agent_container: &str) -> anyhow::Result<Pod> {
     restore.readiness_probe = None;
     restore.startup_probe = None;
     restore.ports = None;
-    let mut init = init;
     init.push(restore);
     let idle = Container {
         name: "idle".to_owned(),

@@ -550,9 +550,9 @@ ports:
 
 /// The other node's processes: an echo server and a CoreDNS (the upstream binary, the standard
 /// Corefile's `kubernetes` plugin reading the API server, which it keeps serving from its cache
-/// while the API is down), in that node's namespace and the topology's cgroup (killed on drop).
+/// while the API is down), in that node's namespace and the topology's cgroup; killed on drop.
 struct Node2 {
-    processes: Vec<KillOnDrop>,
+    _processes: Vec<KillOnDrop>,
 }
 
 impl Node2 {
@@ -588,7 +588,7 @@ impl Node2 {
         loop {
             let answer = e2e::topology::in_netns(&topology.node.path(), || e2e::dns::resolve(server, "kube-dns.kube-system.svc.cluster.local", Duration::from_secs(1)))?;
             match answer {
-                Ok(addresses) if addresses == [CLUSTER_DNS_IP] => return Ok(Self { processes }),
+                Ok(addresses) if addresses == [CLUSTER_DNS_IP] => return Ok(Self { _processes: processes }),
                 _ if Instant::now() >= deadline => {
                     let logs = std::fs::read_to_string(node.dir.join(format!("{NODE2}-coredns.log"))).unwrap_or_default();
                     anyhow::bail!("CoreDNS on {NODE2} does not answer: {answer:?}\n{logs}")
@@ -596,12 +596,6 @@ impl Node2 {
                 _ => std::thread::sleep(Duration::from_millis(250)),
             }
         }
-    }
-}
-
-impl Drop for Node2 {
-    fn drop(&mut self) {
-        self.processes.clear();
     }
 }
 
