@@ -27,6 +27,15 @@ pub fn route(ctx: &TcContext, failed: NoRoute) {
     warn!(ctx, "route lookup or redirect failed (returned {}): dropped", failed.0);
 }
 
+/// A packet the program must send on itself is larger than the next link's MTU and no ICMP
+/// error could be sent for it (IPv4 without DF: nothing here fragments; IP options or IPv6
+/// extension headers: no quote fits): dropped.
+#[inline(never)]
+pub fn too_big(ctx: &TcContext, len: u32, mtu: u16) {
+    count(stat::TC_TOO_BIG_DROP);
+    warn!(ctx, "a {}-byte frame does not fit the next link's MTU {} and cannot be answered with an ICMP error: dropped", len, mtu);
+}
+
 /// Every SNAT source port of the range is held by a live flow to this backend: dropped.
 #[inline(never)]
 pub fn no_snat_port(ctx: &TcContext, backend_port_be: u16) {

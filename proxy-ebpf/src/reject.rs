@@ -1,5 +1,9 @@
-//! Answering a packet for a frontend without backends: an ICMP port unreachable, built in place
-//! and sent back out of the interface the packet came in on.
+//! Answering a packet with an ICMP error built in place and sent back out of the interface the
+//! packet came in on: port unreachable for a frontend without backends, and "fragmentation
+//! needed" (ICMPv6 "packet too big") for a packet this node must send on itself (SNAT) that is
+//! larger than the next link's MTU, so that the sender's path-MTU discovery works through the
+//! node as through any router. The error comes from the packet's destination (the frontend, or
+//! for a reply the node's SNAT address) and quotes the packet as its sender sent it.
 //!
 //! kube-proxy's REJECT rule answers TCP and UDP alike with ICMP port unreachable (iptables'
 //! default `--reject-with`); a TCP client in SYN_SENT turns it into ECONNREFUSED, a connected UDP
@@ -28,6 +32,7 @@ const REPLY_LEN: usize = ETH_HLEN + IPV4_HLEN + ICMP_HLEN + QUOTE_LEN;
 const IPPROTO_ICMP: u8 = 1;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
+const ICMP_FRAG_NEEDED: u8 = 4;
 
 /// Could not build the reply (IP options, or a helper failed): the caller drops the packet.
 pub struct NoReply;
@@ -53,47 +58,82 @@ pub fn no_backend_verdict(reply: Result<i32, NoReply>) -> i32 {
 /// would not fit the fixed-size reply).
 #[inline(always)]
 pub fn port_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, NoReply> {
+    reply(ctx, flow, ICMP_PORT_UNREACH, 0)
+}
+
+/// The verdict for a packet with DF set that is larger than `mtu`, the MTU of the link the
+/// route to its (translated) destination leaves by: an ICMP destination unreachable /
+/// fragmentation needed with that next-hop MTU (RFC 1191) back to its sender. Without DF it is
+/// dropped: the program sends on what it translates itself, and no helper fragments. Both are
+/// counted; the drop is logged. Inlined: a call of its own would add its frame to the
+/// ingress path's, past BPF's 512-byte stack.
+#[inline(always)]
+pub fn too_big(ctx: &TcContext, flow: &Flow, mtu: u16) -> i32 {
+    const IP_DF: u16 = 0x4000;
+    let dont_fragment = ctx.load::<u16>(ETH_HLEN + 6).is_ok_and(|frag_off| u16::from_be(frag_off) & IP_DF != 0);
+    if dont_fragment {
+        if let Ok(verdict) = reply(ctx, flow, ICMP_FRAG_NEEDED, mtu) {
+            count(stat::TC_FRAG_NEEDED);
+            return verdict;
+        }
+    }
+    crate::failure::too_big(ctx, ctx.len(), mtu);
+    TC_ACT_SHOT as i32
+}
+
+/// Rewrites the packet into an ICMP destination unreachable with `code` (and `mtu` in the
+/// next-hop MTU field, 0 if not "fragmentation needed") from its destination to its source, and
+/// redirects it out of the ingress interface. The reply is built in this CPU's scratch slot: on
+/// the stack it would push the ingress path past BPF's 512 bytes.
+#[inline(never)]
+fn reply(ctx: &TcContext, flow: &Flow, code: u8, mtu: u16) -> Result<i32, NoReply> {
     if flow.ip_hlen != IPV4_HLEN {
         return Err(NoReply);
     }
-    let macs: [u8; 12] = ctx.load(0).map_err(|_| NoReply)?;
-    let quote: [u8; QUOTE_LEN] = ctx.load(ETH_HLEN).map_err(|_| NoReply)?;
-
-    let mut reply = [0u8; REPLY_LEN];
-    // Ethernet: back to where it came from.
-    reply[0..6].copy_from_slice(&macs[6..12]);
-    reply[6..12].copy_from_slice(&macs[0..6]);
-    reply[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
-    // IPv4: from the frontend (the original destination) to the client.
+    let scratch = SCRATCH.get_ptr_mut(0).ok_or(NoReply)?;
+    // SAFETY: this CPU's slot, at least REPLY_LEN bytes; nothing else runs on it meanwhile.
+    let reply: &mut [u8; REPLY_LEN] = unsafe { &mut *scratch.cast() };
     let ip = ETH_HLEN;
+    let icmp = ip + IPV4_HLEN;
+    let quote = icmp + ICMP_HLEN;
+    // The frame's Ethernet addresses, and the quote (its IP header and 8 bytes of L4) where it
+    // goes in the reply.
+    // SAFETY: destinations inside the slot, of the lengths given.
+    let loaded = unsafe {
+        bpf_skb_load_bytes(ctx.skb.skb.cast(), 0, reply.as_mut_ptr().cast(), 12) == 0
+            && bpf_skb_load_bytes(ctx.skb.skb.cast(), ETH_HLEN as u32, reply[quote..].as_mut_ptr().cast(), QUOTE_LEN as u32) == 0
+    };
+    if !loaded {
+        return Err(NoReply);
+    }
+    // Ethernet: back to where it came from.
+    for i in 0..6 {
+        reply.swap(i, i + 6);
+    }
+    reply[12] = 0x08;
+    reply[13] = 0x00;
+    // IPv4: from the packet's destination to its source.
     reply[ip] = 0x45;
+    reply[ip + 1] = 0;
     reply[ip + 2..ip + 4].copy_from_slice(&((REPLY_LEN - ETH_HLEN) as u16).to_be_bytes());
+    reply[ip + 4..ip + 8].copy_from_slice(&[0; 4]);
     reply[ip + 8] = 64;
     reply[ip + 9] = IPPROTO_ICMP;
-    reply[ip + 12..ip + 16].copy_from_slice(&quote[16..20]);
-    reply[ip + 16..ip + 20].copy_from_slice(&quote[12..16]);
+    reply[ip + 10..ip + 12].copy_from_slice(&[0; 2]);
+    for i in 0..4 {
+        reply[ip + 12 + i] = reply[quote + 16 + i];
+        reply[ip + 16 + i] = reply[quote + 12 + i];
+    }
     let ip_csum = csum_finish(csum_add(0, &reply[ip..ip + IPV4_HLEN]));
     reply[ip + 10..ip + 12].copy_from_slice(&ip_csum);
-    // ICMP destination unreachable / port unreachable, quoting the packet.
-    let icmp = ip + IPV4_HLEN;
+    // ICMP destination unreachable with `code`, quoting the packet.
     reply[icmp] = ICMP_DEST_UNREACH;
-    reply[icmp + 1] = ICMP_PORT_UNREACH;
-    reply[icmp + ICMP_HLEN..].copy_from_slice(&quote);
+    reply[icmp + 1] = code;
+    reply[icmp + 2..icmp + 6].copy_from_slice(&[0; 4]);
+    reply[icmp + 6..icmp + 8].copy_from_slice(&mtu.to_be_bytes());
     let icmp_csum = csum_finish(csum_add(0, &reply[icmp..]));
     reply[icmp + 2..icmp + 4].copy_from_slice(&icmp_csum);
-
-    // SAFETY: the skb pointer is the program's own context.
-    if unsafe { bpf_skb_change_tail(ctx.skb.skb, REPLY_LEN as u32, 0) } != 0 {
-        return Err(NoReply);
-    }
-    ctx.store(0, &reply, 0).map_err(|_| NoReply)?;
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    // From tc ingress, a redirect without BPF_F_INGRESS transmits on the device's egress.
-    let verdict = unsafe { bpf_redirect(ifindex, 0) } as i32;
-    if verdict != TC_ACT_REDIRECT as i32 {
-        return Err(NoReply);
-    }
-    Ok(verdict)
+    send_back(ctx, reply)
 }
 
 const IPV6_HLEN: usize = 40;
@@ -105,63 +145,97 @@ const REPLY6_LEN: usize = ETH_HLEN + IPV6_HLEN + ICMPV6_LEN;
 const IPPROTO_ICMPV6: u8 = 58;
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PORT_UNREACH: u8 = 4;
+const ICMPV6_PACKET_TOO_BIG: u8 = 2;
 
-/// Scratch space for the quoted packet of an IPv6 reply: next to the IPv6 path, the BPF stack
-/// has no room for it.
+/// Scratch space for the reply being built (either family): next to the ingress paths, the BPF
+/// stack has no room for it. Not pinned (no part of the ABI).
 #[map(name = "epx_scratch")]
-static SCRATCH: PerCpuArray<[u8; QUOTE6_LEN]> = PerCpuArray::with_max_entries(1, 0);
+static SCRATCH: PerCpuArray<[u8; SCRATCH_LEN]> = PerCpuArray::with_max_entries(1, 0);
+const SCRATCH_LEN: usize = if REPLY_LEN > REPLY6_LEN { REPLY_LEN } else { REPLY6_LEN };
 
 /// [`port_unreachable`] for IPv6: an ICMPv6 destination unreachable (port unreachable) from the
 /// frontend to the client. Only for packets without extension headers.
-#[inline(never)]
+#[inline(always)]
 pub fn port_unreachable6(ctx: &TcContext, l4_off: usize) -> Result<i32, NoReply> {
+    reply6(ctx, l4_off, [ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH, 0, 0, 0, 0, 0, 0])
+}
+
+/// [`too_big`] for IPv6: an ICMPv6 packet too big with the link's `mtu` (RFC 8201) back to the
+/// sender (IPv6 routers never fragment), or a drop, counted and logged, when none can be built.
+#[inline(always)]
+pub fn too_big6(ctx: &TcContext, l4_off: usize, mtu: u16) -> i32 {
+    let [high, low] = mtu.to_be_bytes();
+    match reply6(ctx, l4_off, [ICMPV6_PACKET_TOO_BIG, 0, 0, 0, 0, 0, high, low]) {
+        Ok(verdict) => {
+            count(stat::TC_FRAG_NEEDED);
+            verdict
+        }
+        Err(NoReply) => {
+            crate::failure::too_big(ctx, ctx.len(), mtu);
+            TC_ACT_SHOT as i32
+        }
+    }
+}
+
+/// Rewrites the packet into an ICMPv6 error with header `icmp_head` (type, code, checksum left
+/// 0, and the second word: the MTU of a packet too big) from its destination to its source, and
+/// redirects it out of the ingress interface. Only for packets without extension headers.
+/// (One array for the header: BPF calls take at most five arguments.)
+#[inline(never)]
+fn reply6(ctx: &TcContext, l4_off: usize, icmp_head: [u8; ICMPV6_HLEN]) -> Result<i32, NoReply> {
     if l4_off != ETH_HLEN + IPV6_HLEN {
         return Err(NoReply);
     }
     let scratch = SCRATCH.get_ptr_mut(0).ok_or(NoReply)?;
-    // The quote (the packet's IPv6 header and 8 bytes of L4), straight into the scratch slot.
-    // SAFETY: a QUOTE6_LEN-byte destination of this CPU's slot; nothing else runs on it meanwhile.
-    if unsafe { bpf_skb_load_bytes(ctx.skb.skb.cast(), ETH_HLEN as u32, scratch.cast(), QUOTE6_LEN as u32) } != 0 {
-        return Err(NoReply);
-    }
-    let quote: &[u8; QUOTE6_LEN] = unsafe { &*scratch };
-    let macs: [u8; 12] = ctx.load(0).map_err(|_| NoReply)?;
-    let client: [u8; 16] = ctx.load(ETH_HLEN + 8).map_err(|_| NoReply)?;
-    let frontend: [u8; 16] = ctx.load(ETH_HLEN + 24).map_err(|_| NoReply)?;
-
-    let mut eth = [0u8; ETH_HLEN];
-    eth[0..6].copy_from_slice(&macs[6..12]);
-    eth[6..12].copy_from_slice(&macs[0..6]);
-    eth[12] = 0x86;
-    eth[13] = 0xdd;
-    // Version, traffic class and flow label; payload length; next header; hop limit.
-    let mut ip_head = [0x60u8, 0, 0, 0, 0, 0, IPPROTO_ICMPV6, 64];
-    ip_head[4..6].copy_from_slice(&(ICMPV6_LEN as u16).to_be_bytes());
-    let mut icmp_head = [ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH, 0, 0, 0, 0, 0, 0];
-    // The checksum covers a pseudo-header (both addresses, the length, the next header), the
-    // ICMPv6 header and the quote. The reply goes from the frontend to the client.
-    let mut sum = csum_add(csum_add(0, &frontend), &client);
-    sum += ICMPV6_LEN as u32 + u32::from(IPPROTO_ICMPV6);
-    sum = csum_add(csum_add(sum, &icmp_head), quote);
-    let icmp_csum = csum_finish(sum);
-    icmp_head[2] = icmp_csum[0];
-    icmp_head[3] = icmp_csum[1];
-
-    // SAFETY: the skb pointer is the program's own context.
-    if unsafe { bpf_skb_change_tail(ctx.skb.skb, REPLY6_LEN as u32, 0) } != 0 {
-        return Err(NoReply);
-    }
+    // SAFETY: this CPU's slot, at least REPLY6_LEN bytes; nothing else runs on it meanwhile.
+    let reply: &mut [u8; REPLY6_LEN] = unsafe { &mut *scratch.cast() };
     let ip = ETH_HLEN;
     let icmp = ip + IPV6_HLEN;
-    let stored = ctx
-        .store(0, &eth, 0)
-        .and_then(|()| ctx.store(ip, &ip_head, 0))
-        .and_then(|()| ctx.store(ip + 8, &frontend, 0))
-        .and_then(|()| ctx.store(ip + 24, &client, 0))
-        .and_then(|()| ctx.store(icmp, &icmp_head, 0))
-        .and_then(|()| ctx.store(icmp + ICMPV6_HLEN, quote, 0));
-    stored.map_err(|_| NoReply)?;
+    let quote = icmp + ICMPV6_HLEN;
+    // The frame's Ethernet addresses, and the quote (its IPv6 header and 8 bytes of L4) where
+    // it goes in the reply.
+    // SAFETY: destinations inside the slot, of the lengths given.
+    let loaded = unsafe {
+        bpf_skb_load_bytes(ctx.skb.skb.cast(), 0, reply.as_mut_ptr().cast(), 12) == 0
+            && bpf_skb_load_bytes(ctx.skb.skb.cast(), ETH_HLEN as u32, reply[quote..].as_mut_ptr().cast(), QUOTE6_LEN as u32) == 0
+    };
+    if !loaded {
+        return Err(NoReply);
+    }
+    for i in 0..6 {
+        reply.swap(i, i + 6);
+    }
+    reply[12] = 0x86;
+    reply[13] = 0xdd;
+    // Version, traffic class and flow label; payload length; next header; hop limit; then from
+    // the packet's destination (the frontend) to its source (the client).
+    reply[ip..ip + 8].copy_from_slice(&[0x60, 0, 0, 0, 0, ICMPV6_LEN as u8, IPPROTO_ICMPV6, 64]);
+    for i in 0..16 {
+        reply[ip + 8 + i] = reply[quote + 24 + i];
+        reply[ip + 24 + i] = reply[quote + 8 + i];
+    }
+    reply[icmp..icmp + ICMPV6_HLEN].copy_from_slice(&icmp_head);
+    // The checksum covers a pseudo-header (both addresses, the length, the next header), the
+    // ICMPv6 header and the quote.
+    let mut sum = csum_add(0, &reply[ip + 8..ip + IPV6_HLEN]);
+    sum += ICMPV6_LEN as u32 + u32::from(IPPROTO_ICMPV6);
+    sum = csum_add(sum, &reply[icmp..]);
+    let icmp_csum = csum_finish(sum);
+    reply[icmp + 2..icmp + 4].copy_from_slice(&icmp_csum);
+    send_back(ctx, reply)
+}
+
+/// Makes the frame `reply` (trimming the packet to its length) and sends it out of the
+/// interface the packet came in on.
+#[inline(always)]
+fn send_back<const N: usize>(ctx: &TcContext, reply: &[u8; N]) -> Result<i32, NoReply> {
+    // SAFETY: the skb pointer is the program's own context.
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb, N as u32, 0) } != 0 {
+        return Err(NoReply);
+    }
+    ctx.store(0, reply, 0).map_err(|_| NoReply)?;
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // From tc ingress, a redirect without BPF_F_INGRESS transmits on the device's egress.
     let verdict = unsafe { bpf_redirect(ifindex, 0) } as i32;
     if verdict != TC_ACT_REDIRECT as i32 {
         return Err(NoReply);

@@ -45,6 +45,7 @@ use crate::packet::{
     IcmpError, Parsed, ETH_P_IP, IP_DADDR_OFF, IP_SADDR_OFF, TCP_ACK, TCP_SYN,
 };
 use crate::packet6::ETH_P_IPV6;
+use crate::route::{Hop, NotSent};
 use crate::{failure, reject, route};
 
 const PASS: i32 = TC_ACT_OK as i32;
@@ -194,6 +195,15 @@ fn ingress(ctx: &TcContext) -> i32 {
         Target { addr_be: backend.addr_be, port_be: backend.port_be, snat }
     };
 
+    // What this program sends on itself (SNAT) is routed before it is rewritten: a packet too
+    // big for the next link is answered with an ICMP error quoting it as the client sent it.
+    let hop = match target.snat {
+        Some((snat_addr_be, _)) => match next_hop(ctx, &flow, snat_addr_be, target.addr_be) {
+            Ok(hop) => Some(hop),
+            Err(verdict) => return verdict,
+        },
+        None => None,
+    };
     let rewritten = rewrite_addr(ctx, &flow, IP_DADDR_OFF, flow.daddr_be, target.addr_be)
         .and_then(|()| rewrite_port(ctx, &flow, flow.l4_off + 2, flow.dport_be, target.port_be));
     if let Err(failed) = rewritten {
@@ -201,7 +211,7 @@ fn ingress(ctx: &TcContext) -> i32 {
         return DROP;
     }
     count(stat::TC_DNAT);
-    let Some((snat_addr_be, snat_port_be)) = target.snat else {
+    let (Some((snat_addr_be, snat_port_be)), Some(hop)) = (target.snat, hop) else {
         crate::frag::remember(&flow, flow.saddr_be, target.addr_be, false);
         return PASS;
     };
@@ -213,7 +223,7 @@ fn ingress(ctx: &TcContext) -> i32 {
     }
     count(stat::TC_SNAT);
     crate::frag::remember(&flow, snat_addr_be, target.addr_be, true);
-    forward_routed(ctx, flow.proto, snat_addr_be, target.addr_be)
+    forward_routed(ctx, hop)
 }
 
 /// The backend of a new flow from the frontend's Maglev table (`--lb-algorithm maglev`), for
@@ -244,10 +254,25 @@ pub(crate) fn maglev_pick<B: Copy>(
     chosen
 }
 
-/// Sends a packet whose source is a node address on its way (the kernel would refuse it).
+/// The next hop of `flow`'s packet once translated to `saddr_be -> daddr_be`, or the verdict
+/// when there is none: an ICMP "fragmentation needed" for a packet too big for it
+/// (`reject::too_big`), a drop when there is no route.
 #[inline(always)]
-fn forward_routed(ctx: &TcContext, proto: u8, saddr_be: u32, daddr_be: u32) -> i32 {
-    match route::redirect(ctx, proto, saddr_be, daddr_be) {
+fn next_hop(ctx: &TcContext, flow: &Flow, saddr_be: u32, daddr_be: u32) -> Result<Hop, i32> {
+    route::lookup(ctx, flow.proto, saddr_be, daddr_be).map_err(|not_sent| match not_sent {
+        NotSent::TooBig(mtu) => reject::too_big(ctx, flow, mtu),
+        NotSent::Failed(failed) => {
+            failure::route(ctx, failed);
+            DROP
+        }
+    })
+}
+
+/// Sends a packet whose source is a node address on its way to `hop` (the kernel would refuse
+/// it).
+#[inline(always)]
+fn forward_routed(ctx: &TcContext, hop: Hop) -> i32 {
+    match route::send(hop) {
         Ok(verdict) => verdict,
         Err(failed) => {
             failure::route(ctx, failed);
@@ -310,6 +335,10 @@ fn snat_reply(ctx: &TcContext, flow: &Flow, entry: &mut CtEntry4, now: u64) -> i
         share_state(&CT4, &forward_key_of(entry, flow.proto), entry);
     }
     let entry = *entry;
+    let hop = match next_hop(ctx, flow, entry.frontend_addr_be, entry.client_addr_be) {
+        Ok(hop) => hop,
+        Err(verdict) => return verdict,
+    };
     let rewritten = rewrite_addr(ctx, flow, IP_SADDR_OFF, flow.saddr_be, entry.frontend_addr_be)
         .and_then(|()| rewrite_port(ctx, flow, flow.l4_off, flow.sport_be, entry.frontend_port_be))
         .and_then(|()| rewrite_addr(ctx, flow, IP_DADDR_OFF, flow.daddr_be, entry.client_addr_be))
@@ -320,7 +349,7 @@ fn snat_reply(ctx: &TcContext, flow: &Flow, entry: &mut CtEntry4, now: u64) -> i
     }
     count(stat::TC_SNAT_REPLY);
     crate::frag::remember(flow, entry.frontend_addr_be, entry.client_addr_be, true);
-    forward_routed(ctx, flow.proto, entry.frontend_addr_be, entry.client_addr_be)
+    forward_routed(ctx, hop)
 }
 
 /// An ICMP error about a packet we translated, so that path-MTU discovery and unreachable

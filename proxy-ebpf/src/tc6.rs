@@ -32,6 +32,7 @@ use crate::packet6::{
     parse6, rewrite_addr6, rewrite_inner_addr6, rewrite_outer_daddr6, rewrite_port6, Flow6,
     Parsed6, Parsed6Out, IP6_DADDR_OFF, IP6_SADDR_OFF,
 };
+use crate::route::{Hop, NotSent};
 use crate::{failure, reject, route};
 
 const PASS: i32 = TC_ACT_OK as i32;
@@ -123,6 +124,15 @@ pub fn ingress6(ctx: &TcContext) -> i32 {
 fn translate6(ctx: &TcContext, w: &mut Work6) -> i32 {
     let flow = &w.parsed.flow;
     let entry = &w.entry;
+    // Routed before the rewrite, as in `tc::ingress`.
+    let hop = if entry.nat & ct::NAT_SNAT == 0 {
+        None
+    } else {
+        match next_hop6(ctx, flow, &entry.snat_addr, &entry.backend_addr) {
+            Ok(hop) => Some(hop),
+            Err(verdict) => return verdict,
+        }
+    };
     let rewritten = rewrite_addr6(ctx, flow, IP6_DADDR_OFF, &flow.daddr, &entry.backend_addr)
         .and_then(|()| rewrite_port6(ctx, flow, flow.l4_off + 2, flow.dport_be, entry.backend_port_be));
     if let Err(failed) = rewritten {
@@ -130,10 +140,10 @@ fn translate6(ctx: &TcContext, w: &mut Work6) -> i32 {
         return DROP;
     }
     count(stat::TC_DNAT);
-    if entry.nat & ct::NAT_SNAT == 0 {
+    let Some(hop) = hop else {
         crate::frag::remember6(flow, &flow.saddr, &entry.backend_addr, false);
         return PASS;
-    }
+    };
     let rewritten = rewrite_addr6(ctx, flow, IP6_SADDR_OFF, &flow.saddr, &entry.snat_addr)
         .and_then(|()| rewrite_port6(ctx, flow, flow.l4_off, flow.sport_be, entry.snat_port_be));
     if let Err(failed) = rewritten {
@@ -142,7 +152,7 @@ fn translate6(ctx: &TcContext, w: &mut Work6) -> i32 {
     }
     count(stat::TC_SNAT);
     crate::frag::remember6(flow, &entry.snat_addr, &entry.backend_addr, true);
-    forward_routed6(ctx, flow.proto, &entry.snat_addr, &entry.backend_addr)
+    forward_routed6(ctx, hop)
 }
 
 /// `w.entry` := the tracked, unexpired entry of the flow (refreshed), as `tc::tracked_backend`.
@@ -296,9 +306,21 @@ unsafe extern "C" fn try_snat_port6(index: u64, search: *mut c_void) -> c_long {
     search.after(claimed)
 }
 
+/// `tc::next_hop` for IPv6: a packet too big gets an ICMPv6 packet too big.
 #[inline(always)]
-fn forward_routed6(ctx: &TcContext, proto: u8, saddr: &[u32; 4], daddr: &[u32; 4]) -> i32 {
-    match route::redirect6(ctx, proto, saddr, daddr) {
+fn next_hop6(ctx: &TcContext, flow: &Flow6, saddr: &[u32; 4], daddr: &[u32; 4]) -> Result<Hop, i32> {
+    route::lookup6(ctx, flow.proto, saddr, daddr).map_err(|not_sent| match not_sent {
+        NotSent::TooBig(mtu) => reject::too_big6(ctx, flow.l4_off, mtu),
+        NotSent::Failed(failed) => {
+            failure::route(ctx, failed);
+            DROP
+        }
+    })
+}
+
+#[inline(always)]
+fn forward_routed6(ctx: &TcContext, hop: Hop) -> i32 {
+    match route::send(hop) {
         Ok(verdict) => verdict,
         Err(failed) => {
             failure::route(ctx, failed);
@@ -319,6 +341,10 @@ fn snat_reply6(ctx: &TcContext, w: &mut Work6, now: u64) -> i32 {
     }
     let flow = &w.parsed.flow;
     let entry = &w.entry;
+    let hop = match next_hop6(ctx, flow, &entry.frontend_addr, &entry.client_addr) {
+        Ok(hop) => hop,
+        Err(verdict) => return verdict,
+    };
     let rewritten = rewrite_addr6(ctx, flow, IP6_SADDR_OFF, &flow.saddr, &entry.frontend_addr)
         .and_then(|()| rewrite_port6(ctx, flow, flow.l4_off, flow.sport_be, entry.frontend_port_be))
         .and_then(|()| rewrite_addr6(ctx, flow, IP6_DADDR_OFF, &flow.daddr, &entry.client_addr))
@@ -329,7 +355,7 @@ fn snat_reply6(ctx: &TcContext, w: &mut Work6, now: u64) -> i32 {
     }
     count(stat::TC_SNAT_REPLY);
     crate::frag::remember6(flow, &entry.frontend_addr, &entry.client_addr, true);
-    forward_routed6(ctx, flow.proto, &entry.frontend_addr, &entry.client_addr)
+    forward_routed6(ctx, hop)
 }
 
 /// Copies the state of `w.entry`, a reply entry, to its flow's forward entry (`ct::share_state`).

@@ -398,7 +398,14 @@ pub mod stat {
     /// The stickiness entry of an unconnected UDP socket could not be written (the datagram
     /// still went out; the next one may pick another backend).
     pub const SOCK_FLOW_RECORD_FAIL: u32 = 31;
-    pub const COUNT: u32 = 32;
+    /// TC: a packet the program sends on itself (SNAT, or the reply of an SNATed flow) was
+    /// larger than the MTU of the link its route leaves by, and was answered with ICMP
+    /// "fragmentation needed" (DF set) or ICMPv6 "packet too big" to its sender.
+    pub const TC_FRAG_NEEDED: u32 = 32;
+    /// TC: such a packet could not be answered (IPv4 without DF, which nothing here fragments;
+    /// IP options or IPv6 extension headers): dropped.
+    pub const TC_TOO_BIG_DROP: u32 = 33;
+    pub const COUNT: u32 = 34;
     /// Slots of the stats map: more than `COUNT`, so that a new counter does not change the
     /// pinned map's layout (an upgrade keeps the map and its counts).
     pub const SLOTS: u32 = 64;
@@ -437,6 +444,8 @@ pub mod stat {
         "tc_fragment_xlate",
         "sock_flow_hit",
         "sock_flow_record_fail",
+        "tc_frag_needed",
+        "tc_too_big_drop",
     ];
 }
 
