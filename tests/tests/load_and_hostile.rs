@@ -213,7 +213,14 @@ fn a_new_connection_from_a_reused_client_port_gets_a_fresh_backend_pick() {
 
     let command = client.command(&e2e::bin("epx-probe")).expect("probe command");
     let to = format!("{}:30080", client.node_ip);
-    let summary = probe::client_with_args(command, "tcp", &to, 40, &["--source-port", "40000", "--reset"]).expect("probe");
+    // 3 s per connection, as the load tests allow: the client's RST and its next SYN may be
+    // sent from different CPUs (the probe's thread migrates between close and connect) and so
+    // reach the node out of order. The SYN then finds the old flow still open and keeps its
+    // backend, as with netfilter's conntrack; that backend answers with a challenge ACK, and the
+    // SYN's retransmission one second later gets the fresh pick. (A CI run met this once with
+    // the 1 s default timeout: 1 of the 40 connections timed out.)
+    let summary =
+        probe::client_with_args(command, "tcp", &to, 40, &["--source-port", "40000", "--reset", "--timeout-ms", "3000"]).expect("probe");
     assert_eq!(summary.ok, 40, "{summary:?}");
     assert!(summary.answered_by("be1") > 0 && summary.answered_by("be2") > 0, "one client port, both backends: {summary:?}");
     assert!(counter(&agent.dump().expect("dump"), "tc_ct_reopened") >= 39);
