@@ -90,26 +90,10 @@ fn reply(ctx: &TcContext, flow: &Flow, code: u8, mtu: u16) -> Result<i32, NoRepl
     if flow.ip_hlen != IPV4_HLEN {
         return Err(NoReply);
     }
-    let scratch = SCRATCH.get_ptr_mut(0).ok_or(NoReply)?;
-    // SAFETY: this CPU's slot, at least REPLY_LEN bytes; nothing else runs on it meanwhile.
-    let reply: &mut [u8; REPLY_LEN] = unsafe { &mut *scratch.cast() };
     let ip = ETH_HLEN;
     let icmp = ip + IPV4_HLEN;
     let quote = icmp + ICMP_HLEN;
-    // The frame's Ethernet addresses, and the quote (its IP header and 8 bytes of L4) where it
-    // goes in the reply.
-    // SAFETY: destinations inside the slot, of the lengths given.
-    let loaded = unsafe {
-        bpf_skb_load_bytes(ctx.skb.skb.cast(), 0, reply.as_mut_ptr().cast(), 12) == 0
-            && bpf_skb_load_bytes(ctx.skb.skb.cast(), ETH_HLEN as u32, reply[quote..].as_mut_ptr().cast(), QUOTE_LEN as u32) == 0
-    };
-    if !loaded {
-        return Err(NoReply);
-    }
-    // Ethernet: back to where it came from.
-    for i in 0..6 {
-        reply.swap(i, i + 6);
-    }
+    let reply: &mut [u8; REPLY_LEN] = start_reply::<REPLY_LEN, QUOTE_LEN>(ctx, quote)?;
     reply[12] = 0x08;
     reply[13] = 0x00;
     // IPv4: from the packet's destination to its source.
@@ -186,25 +170,10 @@ fn reply6(ctx: &TcContext, l4_off: usize, icmp_head: [u8; ICMPV6_HLEN]) -> Resul
     if l4_off != ETH_HLEN + IPV6_HLEN {
         return Err(NoReply);
     }
-    let scratch = SCRATCH.get_ptr_mut(0).ok_or(NoReply)?;
-    // SAFETY: this CPU's slot, at least REPLY6_LEN bytes; nothing else runs on it meanwhile.
-    let reply: &mut [u8; REPLY6_LEN] = unsafe { &mut *scratch.cast() };
     let ip = ETH_HLEN;
     let icmp = ip + IPV6_HLEN;
     let quote = icmp + ICMPV6_HLEN;
-    // The frame's Ethernet addresses, and the quote (its IPv6 header and 8 bytes of L4) where
-    // it goes in the reply.
-    // SAFETY: destinations inside the slot, of the lengths given.
-    let loaded = unsafe {
-        bpf_skb_load_bytes(ctx.skb.skb.cast(), 0, reply.as_mut_ptr().cast(), 12) == 0
-            && bpf_skb_load_bytes(ctx.skb.skb.cast(), ETH_HLEN as u32, reply[quote..].as_mut_ptr().cast(), QUOTE6_LEN as u32) == 0
-    };
-    if !loaded {
-        return Err(NoReply);
-    }
-    for i in 0..6 {
-        reply.swap(i, i + 6);
-    }
+    let reply: &mut [u8; REPLY6_LEN] = start_reply::<REPLY6_LEN, QUOTE6_LEN>(ctx, quote)?;
     reply[12] = 0x86;
     reply[13] = 0xdd;
     // Version, traffic class and flow label; payload length; next header; hop limit; then from
@@ -223,6 +192,32 @@ fn reply6(ctx: &TcContext, l4_off: usize, icmp_head: [u8; ICMPV6_HLEN]) -> Resul
     let icmp_csum = csum_finish(sum);
     reply[icmp + 2..icmp + 4].copy_from_slice(&icmp_csum);
     send_back(ctx, reply)
+}
+
+/// This CPU's scratch slot as a reply of `N` bytes, started: the frame's Ethernet addresses
+/// swapped (back to where it came from), and the quote (the packet's IP header and 8 bytes of
+/// L4, `Q` bytes) already at `quote`, where it goes in the reply.
+#[inline(always)]
+fn start_reply<const N: usize, const Q: usize>(ctx: &TcContext, quote: usize) -> Result<&'static mut [u8; N], NoReply> {
+    const { assert!(N <= SCRATCH_LEN) };
+    let scratch = SCRATCH.get_ptr_mut(0).ok_or(NoReply)?;
+    // SAFETY: this CPU's slot, at least N bytes; nothing else runs on it meanwhile.
+    let reply: &mut [u8; N] = unsafe { &mut *scratch.cast() };
+    if quote + Q > N {
+        return Err(NoReply);
+    }
+    // SAFETY: destinations inside the slot, of the lengths given.
+    let loaded = unsafe {
+        bpf_skb_load_bytes(ctx.skb.skb.cast(), 0, reply.as_mut_ptr().cast(), 12) == 0
+            && bpf_skb_load_bytes(ctx.skb.skb.cast(), ETH_HLEN as u32, reply[quote..].as_mut_ptr().cast(), Q as u32) == 0
+    };
+    if !loaded {
+        return Err(NoReply);
+    }
+    for i in 0..6 {
+        reply.swap(i, i + 6);
+    }
+    Ok(reply)
 }
 
 /// Makes the frame `reply` (trimming the packet to its length) and sends it out of the
