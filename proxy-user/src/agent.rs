@@ -163,9 +163,18 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         interface_addresses: Vec::new(),
         nodeport_addresses: args.nodeport_addresses.clone(),
     };
-    // The node's addresses are polled too: a change alone (DHCP, a new interface) must move the
-    // NodePorts even when no Kubernetes object changes.
-    let mut address_poll = tokio::time::interval(std::time::Duration::from_secs(2));
+    // An address change alone (DHCP, a new interface) must move the NodePorts and SNAT sources
+    // even when no Kubernetes object changes: the kernel announces each one (rtnetlink). They
+    // are also re-read every minute, in case an announcement was lost (a netlink socket whose
+    // buffer overflowed), and every 2 s if the announcements cannot be had at all.
+    let mut address_changes = match crate::netif::AddressChanges::subscribe() {
+        Ok(changes) => Some(changes),
+        Err(error) => {
+            tracing::warn!("cannot subscribe to the kernel's address announcements ({error}): reading the node's addresses every 2 s");
+            None
+        }
+    };
+    let mut address_poll = tokio::time::interval(if address_changes.is_some() { ADDRESS_REREAD } else { ADDRESS_POLL });
     let mut source = match &args.source {
         SourceKind::File(path) => source::file::start(path.clone(), args.poll_interval, source_health),
         SourceKind::Kube => {
@@ -198,6 +207,9 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         tokio::select! {
             changed = source.generation.changed() => if changed.is_err() { anyhow::bail!("the source stopped") },
             _ = retry.tick(), if failing => {}
+            () = async { address_changes.as_mut().expect("guarded").next().await }, if address_changes.is_some() => {
+                if crate::netif::node_addresses().ok().as_ref() == Some(&config.interface_addresses) { continue }
+            }
             _ = address_poll.tick() => if crate::netif::node_addresses().ok().as_ref() == Some(&config.interface_addresses) { continue },
             _ = conntrack_gc.tick() => {
                 remove_expired_flows(&args.bpffs);
@@ -345,6 +357,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
 
 /// How often the checkpoint may be written while changes keep coming.
 const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(500);
+/// How often the node's addresses are re-read although the kernel announces their changes.
+const ADDRESS_REREAD: Duration = Duration::from_secs(60);
+/// How often they are read when the announcements cannot be subscribed to.
+const ADDRESS_POLL: Duration = Duration::from_secs(2);
 
 /// Writes the checkpoint in the background if a sync changed what it should hold and no write
 /// is under way; the copy handed over shares the specs (`Arc`), so it costs the loop little.

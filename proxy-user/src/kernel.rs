@@ -296,8 +296,8 @@ pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities, object: Option<&[
         if link_path.exists() {
             // Atomic replacement: the hook is never without a program, so no connection made
             // during an upgrade misses translation.
+            let old_tag = pinned_link_program_id(&link_path).and_then(program_tag);
             let link = bpf_obj_get(&link_path).map_err(|e| link_err("open pinned", e))?;
-            let old_tag = link_program_id(link.as_fd()).ok().and_then(program_tag);
             bpf_link_update(link.as_fd(), prog_fd.as_fd()).map_err(|e| link_err("update", e))?;
             let new_tag = program.info().ok().map(|info| info.tag());
             if old_tag.is_some() && old_tag == new_tag {
@@ -328,7 +328,9 @@ pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities, object: Option<&[
     Ok(Datapath { _ebpf: ebpf, maps })
 }
 
-/// `bpf(BPF_OBJ_GET)`: opens a pinned object.
+/// `bpf(BPF_OBJ_GET)`: opens a pinned object. (aya 0.14's `PinnedLink::from_pin` opens a link
+/// too, but its `FdLink` lends out no file descriptor, and aya has no public link update: the
+/// in-place upgrade below needs both.)
 fn bpf_obj_get(path: &Path) -> io::Result<OwnedFd> {
     const BPF_OBJ_GET: libc::c_long = 7;
     #[repr(C)]
@@ -352,30 +354,10 @@ fn bpf_obj_get(path: &Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// `bpf(BPF_OBJ_GET_INFO_BY_FD)` on a link: the id of the program it runs.
-fn link_program_id(link: BorrowedFd<'_>) -> io::Result<u32> {
-    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-    #[repr(C)]
-    struct InfoAttr {
-        bpf_fd: u32,
-        info_len: u32,
-        info: u64,
-    }
-    // struct bpf_link_info starts with type, id, prog_id; the rest is per link type.
-    let mut info = [0u32; 16];
-    let attr = InfoAttr {
-        bpf_fd: link.as_raw_fd() as u32,
-        info_len: std::mem::size_of_val(&info) as u32,
-        info: info.as_mut_ptr() as u64,
-    };
-    // SAFETY: attr points at a buffer of info_len bytes that outlives the call.
-    let ret = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &attr as *const InfoAttr, std::mem::size_of::<InfoAttr>())
-    };
-    if ret < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(info[2])
+/// The id of the program a pinned link runs (aya's pinned-link and link-info APIs), for the log.
+fn pinned_link_program_id(path: &Path) -> Option<u32> {
+    let link = FdLink::from(aya::programs::links::PinnedLink::from_pin(path).ok()?);
+    link.info().ok().map(|info| info.program_id())
 }
 
 /// The tag (hash of the instructions) of a loaded program, by id.

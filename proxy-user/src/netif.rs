@@ -1,6 +1,7 @@
 //! The node's own addresses, read from the kernel with getifaddrs(3) in the agent's network
 //! namespace (the host's, for an agent with host networking). Read again before every
-//! computation, so an address added or removed changes the NodePort frontends.
+//! computation, and whenever the kernel announces an address change ([`AddressChanges`]), so an
+//! address added or removed changes the NodePort frontends and the SNAT sources at once.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -56,6 +57,45 @@ pub fn interface_addresses() -> io::Result<Vec<(String, IpAddr)>> {
     Ok(found)
 }
 
+/// The kernel's announcements of IPv4 and IPv6 addresses added to or removed from any interface
+/// of this network namespace (rtnetlink's `RTNLGRP_IPV4_IFADDR`/`RTNLGRP_IPV6_IFADDR`
+/// multicast groups, as `ip monitor address`), through the rtnetlink crate.
+pub struct AddressChanges {
+    messages: futures::channel::mpsc::UnboundedReceiver<(
+        rtnetlink::packet_core::NetlinkMessage<rtnetlink::packet_route::RouteNetlinkMessage>,
+        rtnetlink::sys::SocketAddr,
+    )>,
+    connection: tokio::task::JoinHandle<()>,
+}
+
+impl AddressChanges {
+    /// Subscribes; must be called inside the tokio runtime (the netlink socket is read by a
+    /// task of its own).
+    pub fn subscribe() -> io::Result<Self> {
+        use rtnetlink::MulticastGroup;
+        let (connection, _handle, messages) =
+            rtnetlink::new_multicast_connection(&[MulticastGroup::Ipv4Ifaddr, MulticastGroup::Ipv6Ifaddr])?;
+        Ok(Self { messages, connection: tokio::spawn(connection) })
+    }
+
+    /// Waits for the next announcement, then takes every one already queued with it (a burst,
+    /// such as an interface coming up with several addresses, is one change). Pending forever
+    /// once the netlink socket has failed: the caller's periodic re-read still catches changes.
+    pub async fn next(&mut self) {
+        use futures::StreamExt;
+        if self.messages.next().await.is_none() {
+            return std::future::pending().await;
+        }
+        while self.messages.try_recv().is_ok() {}
+    }
+}
+
+impl Drop for AddressChanges {
+    fn drop(&mut self) {
+        self.connection.abort();
+    }
+}
+
 pub fn is_node_address(addr: IpAddr) -> bool {
     match addr {
         IpAddr::V4(ip) => !ip.is_loopback() && !ip.is_unspecified(),
@@ -75,6 +115,59 @@ mod tests {
         for kept in ["10.244.1.1", "192.0.2.7", "fd00::1", "2001:db8::1"] {
             assert!(is_node_address(kept.parse().unwrap()), "{kept}");
         }
+    }
+
+    /// An address added to and removed from an interface is announced, each time. The test
+    /// runs in a network namespace of its own (one thread enters it), with a veth
+    /// pair there only.
+    #[test]
+    fn address_changes_are_announced() {
+        let name = format!("epx-unit-netif-{}", std::process::id());
+        let netns = std::path::PathBuf::from("/run/netns").join(&name);
+        let ip = |args: &[&str]| {
+            let output = std::process::Command::new("ip").args(args).output().expect("running ip");
+            assert!(output.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        };
+        ip(&["netns", "add", &name]);
+        struct Cleanup(String);
+        impl Drop for Cleanup {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("ip").args(["netns", "del", &self.0]).status();
+            }
+        }
+        let _cleanup = Cleanup(name.clone());
+        let in_ns = |args: &[&str]| {
+            let mut all = vec!["-n", name.as_str()];
+            all.extend_from_slice(args);
+            ip(&all);
+        };
+        in_ns(&["link", "add", "d0", "type", "veth", "peer", "name", "d1"]);
+        in_ns(&["link", "set", "d0", "up"]);
+        let netns_file = std::fs::File::open(&netns).expect("the namespace");
+        std::thread::spawn(move || {
+            use std::os::fd::AsRawFd;
+            // SAFETY: setns(2) on a namespace file held open; affects this thread only.
+            assert_eq!(unsafe { libc::setns(netns_file.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns");
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            runtime.block_on(async {
+                let mut changes = AddressChanges::subscribe().expect("subscribe");
+                for (change, addr) in [("add", "192.0.2.7/24"), ("del", "192.0.2.7/24"), ("add", "2001:db8::7/64")] {
+                    let output = std::process::Command::new("ip")
+                        .args(["addr", change, addr, "dev", "d0"])
+                        .output()
+                        .expect("running ip");
+                    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+                    tokio::time::timeout(std::time::Duration::from_secs(5), changes.next())
+                        .await
+                        .unwrap_or_else(|_| panic!("no announcement within 5 s of `ip addr {change} {addr}`"));
+                    let now = node_addresses().expect("addresses");
+                    let expected: IpAddr = addr.split('/').next().unwrap().parse().unwrap();
+                    assert_eq!(now.contains(&expected), change == "add", "{change} {addr}: {now:?}");
+                }
+            });
+        })
+        .join()
+        .expect("the test thread");
     }
 
     /// What getifaddrs gives, against iproute2's own netlink dump of the same namespace (an

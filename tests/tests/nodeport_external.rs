@@ -248,7 +248,8 @@ fn the_external_ip_snat_source_follows_an_address_change_on_the_interface() {
     assert_eq!(before.ok, 0, "SNATed to {}, which the other node does not answer: {before:?}", client.node_ip);
 
     topo.node.exec(&["ip", "addr", "del", &format!("{}/24", client.node_ip), "dev", &client.node_interface]).expect("del");
-    // The agent polls the node's addresses every 2 s.
+    // The kernel announces the change to the agent (rtnetlink); its backstop re-read is a
+    // minute away, past this wait.
     let started = std::time::Instant::now();
     let mut port = 44100;
     while udp_from(port, 1).ok == 0 {
