@@ -15,75 +15,21 @@
 use std::collections::{BTreeSet, HashSet};
 use std::fs;
 use std::io;
-use std::mem::size_of;
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-const NETLINK_SOCK_DIAG: libc::c_int = 4;
-const SOCK_DIAG_BY_FAMILY: u16 = 20;
+use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST};
+use netlink_packet_sock_diag::{
+    inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
+    SockDiagMessage, AF_INET, AF_INET6, IPPROTO_UDP,
+};
+use netlink_sys::{protocols::NETLINK_SOCK_DIAG, Socket};
+
+/// `SOCK_DESTROY` (linux/sock_diag.h): netlink-packet-sock-diag builds the request body
+/// (`inet_diag_req_v2`) but knows only `SOCK_DIAG_BY_FAMILY` as its message type.
 const SOCK_DESTROY: u16 = 21;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_DUMP: u16 = 0x300;
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct NlMsgHdr {
-    len: u32,
-    kind: u16,
-    flags: u16,
-    seq: u32,
-    pid: u32,
-}
-
-/// `struct inet_diag_sockid`: ports and addresses in network byte order.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct InetDiagSockId {
-    sport: [u8; 2],
-    dport: [u8; 2],
-    src: [u8; 16],
-    dst: [u8; 16],
-    ifindex: u32,
-    cookie: [u32; 2],
-}
-
-/// `struct inet_diag_req_v2`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct InetDiagReqV2 {
-    family: u8,
-    protocol: u8,
-    ext: u8,
-    pad: u8,
-    states: u32,
-    id: InetDiagSockId,
-}
-
-/// `struct inet_diag_msg` (the part we read).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct InetDiagMsg {
-    family: u8,
-    state: u8,
-    timer: u8,
-    retrans: u8,
-    id: InetDiagSockId,
-    expires: u32,
-    rqueue: u32,
-    wqueue: u32,
-    uid: u32,
-    inode: u32,
-}
-
-const _: () = assert!(size_of::<NlMsgHdr>() == 16);
-const _: () = assert!(size_of::<InetDiagSockId>() == 48);
-const _: () = assert!(size_of::<InetDiagReqV2>() == 56);
-const _: () = assert!(size_of::<InetDiagMsg>() == 72);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SockDestroyError {
@@ -111,13 +57,13 @@ pub fn destroy_udp_connected_to(cgroup: &Path, backends: &BTreeSet<SocketAddr>) 
                         return Err(err("entering it")(io::Error::last_os_error()));
                     }
                     let mut count = 0;
-                    for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
+                    for family in [AF_INET, AF_INET6] {
                         let diag = Diag::open().map_err(err("opening sock_diag"))?;
-                        let victims: Vec<InetDiagSockId> = diag
+                        let victims: Vec<SocketId> = diag
                             .udp_sockets(family)
                             .map_err(err("listing UDP sockets"))?
                             .into_iter()
-                            .filter(|id| backends.contains(&peer(family, id)))
+                            .filter(|id| backends.contains(&peer(id)))
                             .collect();
                         for id in victims {
                             match diag.destroy_udp(family, id) {
@@ -170,97 +116,78 @@ fn namespaces_of(cgroup: &Path) -> Result<Vec<(u32, OwnedFd)>, SockDestroyError>
 }
 
 /// The peer of a socket as a canonical address (IPv4-mapped IPv6 becomes IPv4).
-fn peer(family: u8, id: &InetDiagSockId) -> SocketAddr {
-    let ip = if family == libc::AF_INET as u8 {
-        IpAddr::from([id.dst[0], id.dst[1], id.dst[2], id.dst[3]])
-    } else {
-        Ipv6Addr::from(id.dst).to_canonical()
-    };
-    SocketAddr::new(ip, u16::from_be_bytes(id.dport))
+fn peer(id: &SocketId) -> SocketAddr {
+    SocketAddr::new(id.destination_address.to_canonical(), id.destination_port)
 }
 
 /// A `NETLINK_SOCK_DIAG` socket in the calling thread's network namespace.
-struct Diag(OwnedFd);
+struct Diag(Socket);
 
 impl Diag {
     fn open() -> io::Result<Self> {
-        // SAFETY: plain socket(2); the fd is owned below.
-        let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_SOCK_DIAG) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a new descriptor nobody else owns.
-        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+        let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
+        socket.bind_auto()?;
+        socket.connect(&netlink_sys::SocketAddr::new(0, 0))?;
+        Ok(Self(socket))
     }
 
-    fn send(&self, kind: u16, flags: u16, req: InetDiagReqV2) -> io::Result<()> {
-        #[repr(C)]
-        struct Request {
-            header: NlMsgHdr,
-            req: InetDiagReqV2,
-        }
-        let message = Request {
-            header: NlMsgHdr { len: size_of::<Request>() as u32, kind, flags, seq: 1, pid: 0 },
-            req,
+    /// Sends an `inet_diag_req_v2` for UDP sockets of `family` (`id`: one socket, or none for
+    /// a dump) as a message of type `kind`.
+    fn send(&self, kind: u16, flags: u16, family: u8, id: Option<SocketId>) -> io::Result<()> {
+        let socket_id = id.unwrap_or_else(|| if family == AF_INET { SocketId::new_v4() } else { SocketId::new_v6() });
+        let request = InetRequest {
+            family,
+            protocol: IPPROTO_UDP,
+            extensions: ExtensionFlags::empty(),
+            states: StateFlags::all(),
+            socket_id,
         };
-        // SAFETY: message is a plain repr(C) value of the length given.
-        let sent = unsafe {
-            libc::send(self.0.as_raw_fd(), &message as *const Request as *const libc::c_void, size_of::<Request>(), 0)
-        };
-        if sent < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let mut header = NetlinkHeader::default();
+        header.flags = flags;
+        let mut message = NetlinkMessage::new(header, SockDiagMessage::InetRequest(request).into());
+        message.finalize();
+        // finalize() takes the type from the payload (always SOCK_DIAG_BY_FAMILY).
+        message.header.message_type = kind;
+        let mut buf = vec![0u8; message.buffer_len()];
+        message.serialize(&mut buf);
+        self.0.send(&buf, 0)?;
         Ok(())
     }
 
-    /// Reads answers until DONE or an ACK/error; calls `each` for every diag message.
-    fn receive(&self, mut each: impl FnMut(InetDiagMsg)) -> io::Result<()> {
+    /// Reads answers until DONE or an ACK/error; calls `each` for every socket reported.
+    fn receive(&self, mut each: impl FnMut(SocketId)) -> io::Result<()> {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            // SAFETY: buf is writable for its length.
-            let n = unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0) };
-            if n < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let mut rest = &buf[..n as usize];
-            while rest.len() >= size_of::<NlMsgHdr>() {
-                // SAFETY: at least a header's worth of bytes; read_unaligned copes with alignment.
-                let header: NlMsgHdr = unsafe { std::ptr::read_unaligned(rest.as_ptr() as *const NlMsgHdr) };
-                let len = header.len as usize;
-                if len < size_of::<NlMsgHdr>() || len > rest.len() {
-                    return Err(io::Error::other("malformed netlink answer"));
-                }
-                let payload = &rest[size_of::<NlMsgHdr>()..len];
-                match header.kind {
-                    NLMSG_DONE => return Ok(()),
-                    NLMSG_ERROR => {
-                        let code = payload.get(..4).map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
-                        return if code == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(-code)) };
-                    }
-                    SOCK_DIAG_BY_FAMILY if payload.len() >= size_of::<InetDiagMsg>() => {
-                        // SAFETY: length checked; read_unaligned copes with alignment.
-                        each(unsafe { std::ptr::read_unaligned(payload.as_ptr() as *const InetDiagMsg) });
-                    }
+            let n = self.0.recv(&mut &mut buf[..], 0)?;
+            let mut rest = &buf[..n];
+            while !rest.is_empty() {
+                let message = NetlinkMessage::<SockDiagMessage>::deserialize(rest).map_err(io::Error::other)?;
+                match message.payload {
+                    NetlinkPayload::Done(_) => return Ok(()),
+                    NetlinkPayload::Error(error) if error.code.is_none() => return Ok(()),
+                    NetlinkPayload::Error(error) => return Err(error.to_io()),
+                    NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => each(response.header.socket_id),
                     _ => {}
                 }
                 // Messages are 4-byte aligned.
-                let advance = (len + 3) & !3;
+                let advance = (message.header.length as usize + 3) & !3;
+                if advance == 0 {
+                    return Err(io::Error::other("malformed netlink answer"));
+                }
                 rest = rest.get(advance..).unwrap_or(&[]);
             }
         }
     }
 
-    fn udp_sockets(&self, family: u8) -> io::Result<Vec<InetDiagSockId>> {
-        let req = InetDiagReqV2 { family, protocol: libc::IPPROTO_UDP as u8, states: !0, ..Default::default() };
-        self.send(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, req)?;
+    fn udp_sockets(&self, family: u8) -> io::Result<Vec<SocketId>> {
+        self.send(netlink_packet_sock_diag::SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, family, None)?;
         let mut ids = Vec::new();
-        self.receive(|msg| ids.push(msg.id))?;
+        self.receive(|id| ids.push(id))?;
         Ok(ids)
     }
 
-    fn destroy_udp(&self, family: u8, id: InetDiagSockId) -> io::Result<()> {
-        let req = InetDiagReqV2 { family, protocol: libc::IPPROTO_UDP as u8, states: !0, id, ..Default::default() };
-        self.send(SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, req)?;
+    fn destroy_udp(&self, family: u8, id: SocketId) -> io::Result<()> {
+        self.send(SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, family, Some(id))?;
         self.receive(|_| {})
     }
 }
