@@ -16,8 +16,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 
+use crate::packet::ETH_HLEN;
+
 const AF_INET: u8 = 2;
-const ETH_HLEN: u32 = 14;
 const AF_INET6: u8 = 10;
 
 /// The route lookup or the redirect failed (no route, forwarding disabled): the caller drops.
@@ -87,20 +88,23 @@ pub fn send(hop: Hop) -> Result<i32, NoRoute> {
 /// counts as a failure, its first fragment got the ICMP error).
 #[inline(always)]
 pub fn redirect(ctx: &TcContext, proto: u8, saddr_be: u32, daddr_be: u32) -> Result<i32, NoRoute> {
-    match lookup(ctx, proto, saddr_be, daddr_be) {
-        Ok(hop) => send(hop),
-        Err(NotSent::TooBig(_)) => Err(NoRoute(i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED))),
-        Err(NotSent::Failed(failed)) => Err(failed),
-    }
+    send(lookup(ctx, proto, saddr_be, daddr_be)?)
 }
 
 /// [`redirect`] for IPv6.
 #[inline(always)]
 pub fn redirect6(ctx: &TcContext, proto: u8, saddr: &[u32; 4], daddr: &[u32; 4]) -> Result<i32, NoRoute> {
-    match lookup6(ctx, proto, saddr, daddr) {
-        Ok(hop) => send(hop),
-        Err(NotSent::TooBig(_)) => Err(NoRoute(i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED))),
-        Err(NotSent::Failed(failed)) => Err(failed),
+    send(lookup6(ctx, proto, saddr, daddr)?)
+}
+
+impl From<NotSent> for NoRoute {
+    /// For a packet that can no longer be answered with an ICMP error: too big is a failure.
+    #[inline(always)]
+    fn from(not_sent: NotSent) -> Self {
+        match not_sent {
+            NotSent::TooBig(_) => NoRoute(i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED)),
+            NotSent::Failed(failed) => failed,
+        }
     }
 }
 
@@ -114,7 +118,7 @@ pub fn redirect6(ctx: &TcContext, proto: u8, saddr: &[u32; 4], daddr: &[u32; 4])
 fn fib_lookup_hop(ctx: &TcContext, params: &mut bpf_fib_lookup) -> Result<Hop, NotSent> {
     let skb = unsafe { &*ctx.skb.skb };
     if skb.gso_size == 0 {
-        params.__bindgen_anon_1.tot_len = skb.len.saturating_sub(ETH_HLEN) as u16;
+        params.__bindgen_anon_1.tot_len = skb.len.saturating_sub(ETH_HLEN as u32) as u16;
     }
     let rc = unsafe {
         fib_lookup(
