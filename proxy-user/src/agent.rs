@@ -15,15 +15,19 @@ use crate::checkpoint;
 use crate::desired::{self, NodeConfig};
 use crate::healthcheck::{self, HealthCheckServers, ProxyHealth};
 use crate::http::{self, Response};
-use crate::kernel::{self, MapCapacities};
+use crate::kernel::{self, FlowMaps, MapCapacities};
 use crate::metrics::{self, SyncMetrics};
 use crate::reconcile::Reconciler;
 use crate::source::{self, SourceHealth};
 use crate::{AgentArgs, SourceKind};
 
+mod sync;
+
+pub use sync::Syncer;
+
 /// What health and metrics report. Updated by the loop, read by the HTTP handlers.
 #[derive(Default)]
-struct Status {
+pub struct Status {
     /// Unix time of the last successful sync, if any.
     last_synced: Option<f64>,
     /// Serving the checkpoint's state; the source has not confirmed it yet.
@@ -101,7 +105,8 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     if let Err(error) = datapath.forward_kernel_log() {
         tracing::warn!("the kernel programs' failure log will not be shown: {}", error_chain(&error));
     }
-    configure_snat_ports(&args)?;
+    let flows = datapath.flows.clone();
+    configure_snat_ports(&args, &flows)?;
     for path in kernel::remove_obsolete_pins(&args.bpffs) {
         tracing::info!(pin = %path.display(), "unpinned a map of an earlier layout that no program uses any more");
     }
@@ -137,10 +142,12 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             .with_context(|| format!("binding --healthz-bind {}", args.healthz_bind))?
     };
     let _metrics = {
-        let bpffs = args.bpffs.clone();
-        let registry = metrics::registry(&status.lock().expect("status lock").metrics, source_health.clone(), move || {
-            kernel::read_counters(&bpffs)
-        });
+        let flows = flows.clone();
+        let registry = metrics::registry(
+            &status.lock().expect("status lock").metrics,
+            source_health.clone(),
+            move || flows.counters(),
+        );
         http::serve(args.metrics_bind, move |path| metrics(&registry, path))
             .await
             .with_context(|| format!("binding --metrics-bind {}", args.metrics_bind))?
@@ -152,12 +159,6 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             proxy_health(&status.lock().expect("status lock"), &source_health, stale_after).healthy
         }))
     };
-    let agent_started = SystemTime::now();
-    // The view read last, to tell which objects changed (network programming latency), and the
-    // times of changes not programmed yet.
-    let mut last_view = desired::ClusterState::default();
-    let mut unprogrammed_changes: Vec<SystemTime> = Vec::new();
-
     let mut config = NodeConfig {
         node_name: args.node_name.clone(),
         interface_addresses: Vec::new(),
@@ -188,19 +189,13 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     // Frontends that did not fit (e.g. a full map) are retried on this tick.
     let mut retry = tokio::time::interval(std::time::Duration::from_secs(1));
     let mut failing = false;
-    let mut reported: BTreeSet<String> = BTreeSet::new();
     // The checkpoint is written off the loop, at most once per tick: at 30 000 Services writing
     // it takes longer than programming a change, and a burst of changes needs one write.
     let mut checkpoint_tick = tokio::time::interval(CHECKPOINT_INTERVAL);
     checkpoint_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut checkpoint_writer: Option<tokio::task::JoinHandle<()>> = None;
     let flows_purge = Arc::new(BackgroundJob::default());
-    // The desired state, updated with what each view changed; the first pass compares it with
-    // everything the maps hold (adopted or restored), later ones only what changed.
-    let mut desired_state = desired::Incremental::default();
-    let mut first_pass = true;
-    // NodePorts seen outside --service-node-port-range (each warned about once).
-    let mut stray_node_ports: BTreeSet<u16> = BTreeSet::new();
+    let mut syncer = Syncer::new(reconciler, args.service_node_port_range);
     tracing::info!("waiting for a complete view from the source before changing anything");
 
     loop {
@@ -212,11 +207,11 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             }
             _ = address_poll.tick() => if crate::netif::node_addresses().ok().as_ref() == Some(&config.interface_addresses) { continue },
             _ = conntrack_gc.tick() => {
-                remove_expired_flows(&args.bpffs);
+                remove_expired_flows(&flows);
                 continue;
             }
             _ = checkpoint_tick.tick() => {
-                write_checkpoint(&args.state_dir, desired_state.state(), &status, &mut checkpoint_writer);
+                write_checkpoint(&args.state_dir, syncer.desired(), &status, &mut checkpoint_writer);
                 continue;
             }
             _ = sigterm.recv() => break,
@@ -228,126 +223,45 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
 
         let started = Instant::now();
         let snapshot = (source.read)();
-        if let Some(changed_at) = snapshot.changed_at {
-            let received = SystemTime::now().checked_sub(changed_at.elapsed()).unwrap_or(agent_started);
-            match &snapshot.change_times {
-                Some(times) => unprogrammed_changes.extend(metrics::recorded_change_times(times, received, agent_started)),
-                None => unprogrammed_changes.extend(metrics::change_times(&last_view, &snapshot.cluster, received, agent_started)),
-            }
-            status.lock().expect("status lock").oldest_unprogrammed_change.get_or_insert(changed_at);
-        }
         match crate::netif::node_addresses() {
             Ok(addresses) if addresses != config.interface_addresses => {
                 // The SNAT source of each interface follows too (only what changed is written).
-                if let Err(error) = kernel::tc::record_interface_addresses(&args.bpffs, &interfaces) {
-                    tracing::warn!("cannot record the interfaces' new addresses: {}", error_chain(&error));
+                if let Err(error) = flows.record_interface_addresses(&interfaces) {
+                    tracing::warn!(
+                        "cannot record the interfaces' new addresses: {}",
+                        error_chain(&error)
+                    );
                 }
                 config.interface_addresses = addresses;
             }
             Ok(_) => {}
             Err(error) => tracing::warn!("cannot read the node's addresses, keeping the last ones: {error}"),
         }
-        let changed = desired_state.update(&snapshot.cluster, &config, &snapshot.changes);
-        let desired = desired_state.state();
-        warn_of_stray_node_ports(desired, &changed, args.service_node_port_range, &mut stray_node_ports);
-        let rejections: Vec<_> = snapshot.rejections.iter().chain(&desired.rejections).collect();
-        let report = if first_pass { reconciler.reconcile(desired) } else { reconciler.reconcile_changed(desired, &changed) };
-        first_pass = false;
-        let elapsed = started.elapsed();
-        // Local clients' connected UDP sockets were translated once, at connect(): those to a
-        // backend that left every Service are aborted so the clients reconnect to a live one.
-        let gone_udp: BTreeSet<std::net::SocketAddr> = report
-            .removed_backends
-            .iter()
-            .filter(|b| b.proto == desired::Proto::Udp && !reconciler.has_backend(b))
-            .map(|b| std::net::SocketAddr::new(b.addr, b.port))
-            .collect();
-        abort_udp_sockets(&cgroup, gone_udp);
-        if report.writes > 0 {
-            // Affinity and UDP flows that point at a backend their frontend no longer has.
-            purge_stale_flows(&args.bpffs, &flows_purge);
+        let synced = syncer.sync(started, snapshot, &config, &status);
+        failing = synced.failing;
+        abort_udp_sockets(&cgroup, synced.gone_udp);
+        if synced.wrote {
+            purge_stale_flows(&flows, &flows_purge);
         }
-
-        // Each problem is logged once while it persists, not on every retry.
-        let mut current = BTreeSet::new();
-        for rejection in &rejections {
-            current.insert(format!("rejected {rejection}"));
-        }
-        for failure in &report.failures {
-            current.insert(format!("not programmed: {}: {}", failure.what, error_chain(&failure.error)));
-        }
-        for problem in current.difference(&reported) {
-            tracing::warn!("{problem}");
-        }
-        let new_rejections: Vec<_> =
-            rejections.iter().filter(|r| !reported.contains(&format!("rejected {r}"))).copied().collect();
-        reported = current;
-        failing = !report.failures.is_empty();
-
-        health_checks.sync(&healthcheck::health_checks(&snapshot.cluster, &args.node_name)).await;
-
-        let mut st = status.lock().expect("status lock");
-        // Counted after the maps are written: comparing the views takes a while at scale.
-        if snapshot.changed_at.is_some() {
-            st.metrics.changes_seen(&last_view, &snapshot.cluster);
-        }
-        last_view = snapshot.cluster;
-        for rejection in new_rejections {
-            st.metrics.count_rejection(rejection);
-        }
-        st.metrics.frontends.set(metrics::gauge_count(reconciler.programmed_frontends()));
-        st.metrics.backends.set(metrics::gauge_count(reconciler.programmed_backends()));
-        if report.writes > 0 || !report.failures.is_empty() || st.metrics.successful_syncs() == 0 {
-            st.metrics.services.set(metrics::gauge_count(metrics::programmed_services(
-                desired.frontends.values().map(|spec| &spec.service),
-                report.failures.iter().map(|f| f.what.as_str()),
-            )));
-        }
-        st.metrics.rejected_now.set(metrics::gauge_count(rejections.len()));
-        st.metrics.health_check_ports.set(metrics::gauge_count(health_checks.open_ports()));
-        st.metrics.sync_duration.observe(elapsed.as_secs_f64());
-        st.metrics.map_writes.inc_by(report.writes as u64);
-        st.datapath_error =
-            report.failures.first().map(|f| format!("not programmed: {}: {}", f.what, error_chain(&f.error)));
-        if failing {
-            st.metrics.sync_failures.inc();
-            // A failed sync leaves the datapath behind even when no source change caused it (the
-            // node's addresses changed): it counts as pending from now on.
-            st.oldest_unprogrammed_change.get_or_insert(started);
-        } else {
-            let now = SystemTime::now();
-            st.metrics.syncs.inc();
-            let synced_at = now_unix();
-            st.last_synced = Some(synced_at);
-            st.metrics.last_sync_timestamp.set(synced_at);
-            st.metrics.changes_programmed();
-            st.restored_from_checkpoint = false;
-            st.oldest_unprogrammed_change = None;
-            for changed in unprogrammed_changes.drain(..) {
-                let latency = now.duration_since(changed).unwrap_or_default();
-                st.metrics.network_programming.observe(latency.as_secs_f64());
-            }
-            if report.writes > 0 || st.metrics.successful_syncs() == 1 {
-                st.checkpoint_wanted += 1;
-            }
-        }
-        if report.writes > 0 || failing || st.metrics.successful_syncs() == 1 {
-            tracing::info!(
-                frontends = reconciler.programmed_frontends(),
-                backends = reconciler.programmed_backends(),
-                writes = report.writes,
-                failures = report.failures.len(),
-                took_ms = format!("{:.2}", elapsed.as_secs_f64() * 1e3),
-                "synced"
-            );
-        }
+        health_checks.sync(&synced.health_checks).await;
+        status
+            .lock()
+            .expect("status lock")
+            .metrics
+            .health_check_ports
+            .set(metrics::gauge_count(health_checks.open_ports()));
     }
     // What the last syncs programmed reaches the checkpoint before the agent goes (an upgrade
     // or a reboot right after a change must not restore an older state).
     if let Some(writer) = checkpoint_writer.take() {
         let _ = writer.await;
     }
-    write_checkpoint(&args.state_dir, desired_state.state(), &status, &mut checkpoint_writer);
+    write_checkpoint(
+        &args.state_dir,
+        syncer.desired(),
+        &status,
+        &mut checkpoint_writer,
+    );
     if let Some(writer) = checkpoint_writer.take() {
         let _ = writer.await;
     }
@@ -419,10 +333,10 @@ impl BackgroundJob {
 
 /// Deletes affinity entries and UDP conntrack entries that point at a backend their frontend
 /// no longer has, off the loop (it scans the flow tables).
-fn purge_stale_flows(bpffs: &std::path::Path, job: &Arc<BackgroundJob>) {
-    let bpffs = bpffs.to_owned();
-    job.request(move || match kernel::purge_stale_flows(&bpffs) {
-        Ok(purged) if purged != kernel::PurgedFlows::default() => {
+fn purge_stale_flows(flows: &Arc<FlowMaps>, job: &Arc<BackgroundJob>) {
+    let flows = flows.clone();
+    job.request(move || match flows.purge_stale_flows() {
+        Ok(purged) if purged != kernel::flows::PurgedFlows::default() => {
             tracing::info!(
                 affinity = purged.affinity,
                 udp_conntrack = purged.udp_conntrack,
@@ -435,39 +349,20 @@ fn purge_stale_flows(bpffs: &std::path::Path, job: &Arc<BackgroundJob>) {
     });
 }
 
-/// Warns (once per port) of a NodePort outside `--service-node-port-range`: the SNAT ports
-/// are drawn from outside that range only, so it must be the kube-apiserver's.
-fn warn_of_stray_node_ports(
-    desired: &desired::DesiredState,
-    changed: &BTreeSet<desired::Frontend>,
-    range: crate::snat_ports::PortRange,
-    warned: &mut BTreeSet<u16>,
-) {
-    for frontend in changed {
-        let Some(spec) = desired.frontends.get(frontend) else { continue };
-        let port = frontend.port;
-        if spec.kind == desired::FrontendKind::NodePort && !(range.min..=range.max).contains(&port) && warned.insert(port) {
-            tracing::warn!(
-                service = %spec.service,
-                "nodePort {port} lies outside --service-node-port-range {range}: set that flag to the \
-                 kube-apiserver's --service-node-port-range, or SNATed flows may leave from this port \
-                 and their answers be taken for connections to the NodePort"
-            );
-        }
-    }
-}
-
 /// Tells the kernel programs which SNAT ports they may use: `--snat-port-range` without the
 /// node's ephemeral range and the NodePort range.
-fn configure_snat_ports(args: &AgentArgs) -> anyhow::Result<()> {
+fn configure_snat_ports(args: &AgentArgs, flows: &FlowMaps) -> anyhow::Result<()> {
     use crate::snat_ports::{datapath_config, ephemeral_range, Excluded};
     let ephemeral = ephemeral_range().context("reading net.ipv4.ip_local_port_range")?;
     let excluded = [
         Excluded { ports: ephemeral, what: "the node's ephemeral range (net.ipv4.ip_local_port_range)" },
         Excluded { ports: args.service_node_port_range, what: "the NodePort range (--service-node-port-range)" },
     ];
-    let (config, ports) = datapath_config(args.snat_port_range, &excluded).map_err(anyhow::Error::msg)?;
-    kernel::write_config(&args.bpffs, &config).context("writing the datapath settings")?;
+    let (config, ports) =
+        datapath_config(args.snat_port_range, &excluded).map_err(anyhow::Error::msg)?;
+    flows
+        .write_config(&config)
+        .context("writing the datapath settings")?;
     tracing::info!(
         range = %args.snat_port_range,
         ephemeral = %ephemeral,
@@ -479,19 +374,18 @@ fn configure_snat_ports(args: &AgentArgs) -> anyhow::Result<()> {
 }
 
 /// Deletes conntrack entries past their timeout, off the async workers.
-fn remove_expired_flows(bpffs: &std::path::Path) {
-    let bpffs = bpffs.to_owned();
+fn remove_expired_flows(flows: &Arc<FlowMaps>) {
+    let flows = flows.clone();
     tokio::task::spawn_blocking(move || {
         let started = Instant::now();
-        match kernel::remove_expired_flows(&bpffs) {
-            Ok(gc) if gc.removed == 0 => {}
-            Ok(gc) => tracing::debug!(
+        let gc = flows.remove_expired_flows();
+        if gc.removed > 0 {
+            tracing::debug!(
                 removed = gc.removed,
                 scanned = gc.scanned,
                 took_ms = format!("{:.1}", started.elapsed().as_secs_f64() * 1e3),
                 "removed expired conntrack entries"
-            ),
-            Err(error) => tracing::warn!("cannot remove expired conntrack entries: {}", error_chain(&error)),
+            );
         }
     });
 }

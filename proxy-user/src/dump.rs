@@ -284,18 +284,26 @@ pub fn collect(bpffs: &Path) -> anyhow::Result<Dump> {
             maglev_slots: (value.flags & svc_flags::MAGLEV != 0).then(|| maglev_shares(tables.get(&value.rev_nat_id), &backends)),
         });
     }
-    let counters = kernel::read_counters(bpffs)?
+    let flow_maps = kernel::FlowMaps::open_pinned(bpffs)?;
+    let counters = flow_maps
+        .counters()?
         .into_iter()
         .zip(proxy_abi::stat::NAMES)
         .map(|(value, name)| (name.to_owned(), value))
         .collect();
-    let rev_sock_entries = kernel::count_rev_sock_entries(bpffs)?;
-    let mut views = flows4(kernel::conntrack_entries(bpffs)?);
-    views.extend(flows6(kernel::conntrack_entries6(bpffs)?));
+    let rev_sock_entries = flow_maps.rev_sock_entries();
+    let mut views = flows4(flow_maps.conntrack_entries4());
+    views.extend(flows6(flow_maps.conntrack_entries6()));
     let conntrack = flows(views);
     let rev_nats: BTreeMap<_, _> = maps.rev_nats()?.into_iter().collect();
-    let affinity = affinity_entries(kernel::affinity_entries(bpffs)?, &rev_nats, &backends);
-    Ok(Dump { services, counters, rev_sock_entries, conntrack, affinity })
+    let affinity = affinity_entries(flow_maps.affinity_entries(), &rev_nats, &backends);
+    Ok(Dump {
+        services,
+        counters,
+        rev_sock_entries,
+        conntrack,
+        affinity,
+    })
 }
 
 pub fn print_text(dump: &Dump) {

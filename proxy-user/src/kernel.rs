@@ -5,7 +5,6 @@
 //! is attached through a bpf_link pinned under `--bpffs/links`. A restarted or upgraded agent
 //! swaps the program inside an existing link atomically (BPF_LINK_UPDATE) instead of detaching.
 
-use std::collections::HashSet;
 use std::ffi::CString;
 use std::fs;
 use std::io;
@@ -17,13 +16,16 @@ use aya::maps::{HashMap, Map, MapData, MapType};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
 use proxy_abi::{
-    capacity, layout, map_name, Backend4, Backend6, BackendId, CtEntry4, CtEntry6, CtKey4, CtKey6, MaglevTable4, RevNat4, RevNat6, RevNatId,
-    RevSock4, RevSock6, RevSockKey4, RevSockKey6, ServiceKey4, ServiceKey6, ServiceValue4,
+    capacity, layout, map_name, Backend4, Backend6, BackendId, CtEntry4, CtEntry6, CtKey4, CtKey6,
+    MaglevTable4, RevNat4, RevNat6, RevNatId, ServiceKey4, ServiceKey6, ServiceValue4,
 };
 
 use crate::lbmap::{BackendValue, LbMaps, MapError, RevNatValue, SvcKey};
 
+pub mod flows;
 pub mod tc;
+
+pub use flows::FlowMaps;
 
 /// The eBPF object, embedded at build time by `cargo xtask build`.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
@@ -226,7 +228,10 @@ fn check_pinned_layouts(dir: &Path, caps: &MapCapacities) -> Result<(), Datapath
 /// The loaded datapath: programs attached, maps pinned.
 pub struct Datapath {
     _ebpf: Ebpf,
+    /// The service tables, for the reconciler (their only writer).
     pub maps: KernelMaps,
+    /// Everything else the agent reads and trims, shared with its metrics and background jobs.
+    pub flows: std::sync::Arc<FlowMaps>,
 }
 
 impl Datapath {
@@ -325,7 +330,12 @@ pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities, object: Option<&[
     }
 
     let maps = KernelMaps::from_ebpf(&mut ebpf)?;
-    Ok(Datapath { _ebpf: ebpf, maps })
+    let flows = std::sync::Arc::new(FlowMaps::open_pinned(bpffs)?);
+    Ok(Datapath {
+        _ebpf: ebpf,
+        maps,
+        flows,
+    })
 }
 
 /// `bpf(BPF_OBJ_GET)`: opens a pinned object. (aya 0.14's `PinnedLink::from_pin` opens a link
@@ -566,163 +576,6 @@ impl LbMaps for KernelMaps {
     }
 }
 
-/// Per-CPU counters summed over CPUs, by `proxy_abi::stat` index.
-pub fn read_counters(bpffs: &Path) -> Result<Vec<u64>, DatapathError> {
-    let name = map_name::STATS;
-    let map = open_pinned_map(bpffs, name)?;
-    let array = aya::maps::PerCpuArray::<MapData, u64>::try_from(map)
-        .map_err(|source| DatapathError::MapLayout { name, source })?;
-    (0..proxy_abi::stat::COUNT)
-        .map(|i| {
-            array
-                .get(&i, 0)
-                .map(|values| values.iter().sum())
-                .map_err(|source| DatapathError::MapLayout { name, source })
-        })
-        .collect()
-}
-
-/// Number of live entries in the socket reverse-translation LRUs (both families).
-pub fn count_rev_sock_entries(bpffs: &Path) -> Result<usize, DatapathError> {
-    let v4 = open_pinned_hash::<RevSockKey4, RevSock4>(bpffs, map_name::REV_SOCK4)?;
-    let v6 = open_pinned_hash::<RevSockKey6, RevSock6>(bpffs, map_name::REV_SOCK6)?;
-    Ok(v4.keys().filter(Result::is_ok).count() + v6.keys().filter(Result::is_ok).count())
-}
-
-/// The conntrack entries of the packet-level datapath (forward and reply), from the pinned LRU.
-pub fn conntrack_entries(bpffs: &Path) -> Result<Vec<(CtKey4, CtEntry4)>, DatapathError> {
-    let lru = open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?;
-    // Entries may be evicted while iterating (LRU): skip what vanished under us.
-    Ok(lru.iter().filter_map(Result::ok).collect())
-}
-
-/// The IPv6 conntrack entries (forward and reply), from the pinned LRU.
-pub fn conntrack_entries6(bpffs: &Path) -> Result<Vec<(CtKey6, CtEntry6)>, DatapathError> {
-    let lru = open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?;
-    Ok(lru.iter().filter_map(Result::ok).collect())
-}
-
-/// The session-affinity entries, from the pinned LRU.
-pub fn affinity_entries(bpffs: &Path) -> Result<Vec<(proxy_abi::AffinityKey4, proxy_abi::AffinityValue4)>, DatapathError> {
-    let lru = open_pinned_hash::<proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>(bpffs, map_name::AFFINITY4)?;
-    Ok(lru.iter().filter_map(Result::ok).collect())
-}
-
-/// What [`purge_stale_flows`] deleted.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PurgedFlows {
-    pub affinity: usize,
-    pub udp_conntrack: usize,
-    /// Unconnected UDP sockets' remembered backends (`epx_sflow*`).
-    pub udp_sockets: usize,
-}
-
-/// Deletes the session-affinity entries, the UDP conntrack entries and the unconnected UDP
-/// sockets' remembered backends that point at a backend
-/// which is no longer one of its frontend's backends, so that those clients and flows pick a live
-/// backend at their next packet. What is live is read from the pinned service map itself.
-/// TCP conntrack is kept: an established TCP connection to a removed (terminating) backend goes
-/// on until it ends, as with kube-proxy, which flushes conntrack for UDP only.
-pub fn purge_stale_flows(bpffs: &Path) -> Result<PurgedFlows, DatapathError> {
-    let mut affinity = open_pinned_hash::<proxy_abi::AffinityKey4, proxy_abi::AffinityValue4>(bpffs, map_name::AFFINITY4)?;
-    let mut ct4 = open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?;
-    let mut ct6 = open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?;
-    // The flows that may be stale, each with the (reverse-NAT id, backend id) it points at:
-    // usually few, and then the service map (at 30 000 Services, 660 000 entries) is not read.
-    let udp = proxy_abi::IPPROTO_UDP;
-    let mut sock4 = open_pinned_hash::<proxy_abi::SockFlowKey4, proxy_abi::SockFlow>(bpffs, map_name::SOCK_FLOW4)?;
-    let mut sock6 = open_pinned_hash::<proxy_abi::SockFlowKey6, proxy_abi::SockFlow>(bpffs, map_name::SOCK_FLOW6)?;
-    let affinity_flows = flows(&affinity, |k, v| Some((k.rev_nat_id, v.backend_id)));
-    let udp4 = flows(&ct4, |k, v| (k.proto == udp).then_some((v.rev_nat_id, v.backend_id)));
-    let udp6 = flows(&ct6, |k, v| (k.proto == udp).then_some((v.rev_nat_id, v.backend_id)));
-    let sock_flows4 = flows(&sock4, |_, v| Some((v.rev_nat_id, v.backend_id)));
-    let sock_flows6 = flows(&sock6, |_, v| Some((v.rev_nat_id, v.backend_id)));
-    let pointed: HashSet<(RevNatId, BackendId)> = affinity_flows
-        .iter()
-        .map(|f| f.1)
-        .chain(udp4.iter().map(|f| f.1))
-        .chain(udp6.iter().map(|f| f.1))
-        .chain(sock_flows4.iter().map(|f| f.1))
-        .chain(sock_flows6.iter().map(|f| f.1))
-        .collect();
-    if pointed.is_empty() {
-        return Ok(PurgedFlows::default());
-    }
-    let live = live_pairs(&KernelMaps::open_pinned(bpffs)?, &pointed).map_err(DatapathError::ReadServices)?;
-    Ok(PurgedFlows {
-        affinity: remove_stale(&mut affinity, &affinity_flows, &live),
-        udp_conntrack: remove_stale(&mut ct4, &udp4, &live) + remove_stale(&mut ct6, &udp6, &live),
-        udp_sockets: remove_stale(&mut sock4, &sock_flows4, &live) + remove_stale(&mut sock6, &sock_flows6, &live),
-    })
-}
-
-/// The entries of a flow map `pair` picks, with the (reverse-NAT id, backend id) each points at.
-fn flows<K: aya::Pod, V: aya::Pod>(
-    map: &HashMap<MapData, K, V>,
-    pair: impl Fn(&K, &V) -> Option<(RevNatId, BackendId)>,
-) -> Vec<(K, (RevNatId, BackendId))> {
-    map.iter().filter_map(Result::ok).filter_map(|(k, v)| Some((k, pair(&k, &v)?))).collect()
-}
-
-/// Removes the flows whose pair is not live; returns how many it removed (one the kernel
-/// evicted or expired meanwhile is not counted, and is fine either way).
-fn remove_stale<K: aya::Pod, V: aya::Pod>(
-    map: &mut HashMap<MapData, K, V>,
-    flows: &[(K, (RevNatId, BackendId))],
-    live: &HashSet<(RevNatId, BackendId)>,
-) -> usize {
-    flows.iter().filter(|(key, pair)| !live.contains(pair) && map.remove(key).is_ok()).count()
-}
-
-/// Which of `pointed`'s (reverse-NAT id, backend id) pairs the service map holds: a slot's
-/// frontend is its slot-0 entry. Streams the map twice instead of copying it.
-fn live_pairs(maps: &KernelMaps, pointed: &HashSet<(RevNatId, BackendId)>) -> Result<HashSet<(RevNatId, BackendId)>, MapError> {
-    let rev_nat_ids: HashSet<RevNatId> = pointed.iter().map(|(id, _)| *id).collect();
-    let mut frontends: std::collections::HashMap<SvcKey, RevNatId> = std::collections::HashMap::new();
-    maps.for_each_service(|key, value| {
-        if key.slot() == 0 && rev_nat_ids.contains(&value.rev_nat_id) {
-            frontends.insert(key, value.rev_nat_id);
-        }
-    })?;
-    let mut live = HashSet::new();
-    maps.for_each_service(|key, value| {
-        if key.slot() != 0 {
-            if let Some(rev_nat_id) = frontends.get(&key.with_slot(0)) {
-                if pointed.contains(&(*rev_nat_id, value.backend_id)) {
-                    live.insert((*rev_nat_id, value.backend_id));
-                }
-            }
-        }
-    })?;
-    Ok(live)
-}
-
-/// Removes the entries `stale` picks from a live map: (entries looked at, entries removed). An
-/// entry the kernel evicted or expired meanwhile is not counted, and is fine either way.
-fn remove_where_counting<K: aya::Pod, V: aya::Pod>(
-    map: &mut HashMap<MapData, K, V>,
-    stale: impl Fn(&K, &V) -> bool,
-) -> (usize, usize) {
-    let mut scanned = 0;
-    let keys: Vec<K> = map
-        .iter()
-        .filter_map(Result::ok)
-        .inspect(|_| scanned += 1)
-        .filter(|(k, v)| stale(k, v))
-        .map(|(k, _)| k)
-        .collect();
-    (scanned, keys.iter().filter(|key| map.remove(key).is_ok()).count())
-}
-
-/// Writes the agent's settings for the kernel programs (`epx_cfg_v1`); programs read them per
-/// packet, so a change applies to the next new flow.
-pub fn write_config(bpffs: &Path, config: &proxy_abi::DatapathConfig) -> Result<(), DatapathError> {
-    let map = open_pinned_map(bpffs, map_name::CONFIG)?;
-    let mut array: aya::maps::Array<MapData, proxy_abi::DatapathConfig> =
-        aya::maps::Array::try_from(map).map_err(|source| DatapathError::MapLayout { name: map_name::CONFIG, source })?;
-    array.set(0, config, 0).map_err(|source| DatapathError::MapWrite { name: map_name::CONFIG, source })
-}
-
 /// A conntrack value of the layout before `epx_ct4_v2` (the state inline, no sequence number).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -908,26 +761,6 @@ pub fn remove_obsolete_pins(bpffs: &Path) -> Vec<PathBuf> {
         .map(|name| bpffs.join(name))
         .filter(|path| fs::remove_file(path).is_ok())
         .collect()
-}
-
-/// Deletes the conntrack entries of both families that are past their timeout (`ct::is_expired`,
-/// the rule the kernel programs apply too): the kernel already treats them as gone, this keeps
-/// the LRU and `dump` to live flows. Costs two map syscalls per entry held and one per entry
-/// removed (aya 0.14 has no batch lookup).
-pub fn remove_expired_flows(bpffs: &Path) -> Result<ConntrackGc, DatapathError> {
-    let now = crate::dump::monotonic_now_ns();
-    let mut ct4 = open_pinned_hash::<CtKey4, CtEntry4>(bpffs, map_name::CT4)?;
-    let mut ct6 = open_pinned_hash::<CtKey6, CtEntry6>(bpffs, map_name::CT6)?;
-    let (scanned4, removed4) = remove_where_counting(&mut ct4, |k, v| proxy_abi::ct::is_expired(&v.state, k.proto, now));
-    let (scanned6, removed6) = remove_where_counting(&mut ct6, |k, v| proxy_abi::ct::is_expired(&v.state, k.proto, now));
-    Ok(ConntrackGc { scanned: scanned4 + scanned6, removed: removed4 + removed6 })
-}
-
-/// What one conntrack garbage collection did.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct ConntrackGc {
-    pub scanned: usize,
-    pub removed: usize,
 }
 
 /// Detaches (by unpinning the links) and unpins everything under `bpffs`. Returns what it removed.

@@ -123,3 +123,130 @@ fn memory_at_30000_services_of_10_endpoints() {
     );
     eprintln!("the reconciler's parts, MiB: {:?}", reconciler.drop_measured(live_mib).iter().map(|(name, mib)| format!("{name} {mib:.1}")).collect::<Vec<_>>());
 }
+
+/// The agent loop's pass for one endpoint change at 30 000 Services (the benchmark's "one
+/// endpoint removed" figure minus the watch), with the parts that scale with the cluster timed
+/// on their own. A measurement, not a check: run with `--ignored --nocapture pass_time`.
+#[test]
+#[ignore = "a measurement: run with --ignored --nocapture"]
+fn pass_time_of_one_endpoint_change_at_30000_services() {
+    use std::time::Instant;
+
+    use crate::agent::{Status, Syncer};
+    use crate::desired::{slice_service_key, ServiceObjects};
+    use crate::source::Snapshot;
+
+    const SERVICES: usize = 30_000;
+    const ENDPOINTS: usize = 10;
+    let services: Vec<_> = (0..SERVICES).map(|i| Arc::new(service(i))).collect();
+    let slices: Vec<_> = (0..SERVICES)
+        .map(|i| Arc::new(slice(i, ENDPOINTS)))
+        .collect();
+    let cluster = ClusterState {
+        services,
+        slices,
+        node: None,
+    };
+    let config = NodeConfig {
+        node_name: "node-0".into(),
+        interface_addresses: vec!["192.168.0.10".parse().unwrap()],
+        ..Default::default()
+    };
+    let status = std::sync::Mutex::new(Status::default());
+    let reconciler = Reconciler::adopt(FakeMaps {
+        checked: false,
+        ..FakeMaps::default()
+    })
+    .expect("adopt");
+    let mut syncer = Syncer::new(
+        reconciler,
+        crate::snat_ports::PortRange {
+            min: 30000,
+            max: 32767,
+        },
+    );
+    let started = Instant::now();
+    let first = Snapshot {
+        cluster: cluster.clone(),
+        changed_at: Some(started),
+        ..Snapshot::default()
+    };
+    assert!(!syncer.sync(started, first, &config, &status).failing);
+    eprintln!(
+        "first pass (everything): {:.0} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
+
+    let mut passes = Vec::new();
+    let mut current = cluster;
+    for round in 0..10 {
+        // The newest Service's slice loses (or gets back) its last endpoint.
+        let i = SERVICES - 1;
+        let changed = Arc::new(slice(
+            i,
+            if round % 2 == 0 {
+                ENDPOINTS - 1
+            } else {
+                ENDPOINTS
+            },
+        ));
+        current.slices[i] = changed.clone();
+        let key = slice_service_key(&changed);
+        let objects = ServiceObjects {
+            services: vec![current.services[i].clone()],
+            slices: vec![changed],
+        };
+        // What the kube source's read does: a view sharing every unchanged object.
+        let read = Instant::now();
+        let view = ClusterState {
+            services: current.services.clone(),
+            slices: current.slices.clone(),
+            node: None,
+        };
+        let read = read.elapsed();
+        let snapshot = Snapshot {
+            cluster: view,
+            changed_at: Some(Instant::now()),
+            change_times: Some(vec![std::time::SystemTime::now()]),
+            changes: Changes::Services([(key, objects)].into()),
+            ..Snapshot::default()
+        };
+        let started = Instant::now();
+        let synced = syncer.sync(started, snapshot, &config, &status);
+        assert!(synced.wrote && !synced.failing);
+        passes.push((read, started.elapsed()));
+    }
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let mut times: Vec<f64> = passes.iter().map(|(_, pass)| ms(*pass)).collect();
+    times.sort_by(f64::total_cmp);
+    eprintln!(
+        "{SERVICES} Services x {ENDPOINTS} endpoints, one endpoint change: the pass takes {:.2} ms median, {:.2} ms max; the source's read {:.2} ms",
+        times[times.len() / 2],
+        times[times.len() - 1],
+        passes.iter().map(|(read, _)| ms(*read)).fold(0.0, f64::max),
+    );
+    let view = ClusterState {
+        services: current.services.clone(),
+        slices: current.slices.clone(),
+        node: None,
+    };
+    let parts: [(&str, &dyn Fn()); 3] = [
+        ("health checks", &|| {
+            drop(crate::healthcheck::health_checks(&view, "node-0"))
+        }),
+        ("changed objects (metrics)", &|| {
+            drop(crate::metrics::ObjectChanges::between(&view, &current))
+        }),
+        ("programmed services (metrics)", &|| {
+            let _ = crate::metrics::programmed_services(
+                syncer.desired().frontends.values().map(|s| &s.service),
+                std::iter::empty(),
+            );
+        }),
+    ];
+    for (name, part) in parts {
+        let started = Instant::now();
+        part();
+        eprintln!("  of which {name}: {:.2} ms", ms(started.elapsed()));
+    }
+}

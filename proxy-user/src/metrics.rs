@@ -22,7 +22,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, linear_buckets,
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Metric, Registry};
 
-use crate::desired::{ClusterState, Rejection, ServiceInfo, ServicePortName, Slice};
+use crate::desired::{ClusterState, Rejection, ServicePortName, Slice};
 use crate::kernel::DatapathError;
 use crate::source::SourceHealth;
 
@@ -295,24 +295,83 @@ pub struct ObjectChanges {
 
 impl ObjectChanges {
     pub fn between(previous: &ClusterState, current: &ClusterState) -> Self {
-        fn changed<T: PartialEq>(before: &[Arc<T>], after: &[Arc<T>], name: fn(&T) -> (&str, &str)) -> BTreeSet<(String, String)> {
-            let key = |object: &Arc<T>| {
-                let (namespace, name) = name(object);
-                (namespace.to_owned(), name.to_owned())
-            };
-            let before: BTreeMap<_, &Arc<T>> = before.iter().map(|o| (key(o), o)).collect();
-            let after: BTreeMap<_, &Arc<T>> = after.iter().map(|o| (key(o), o)).collect();
-            // The source shares unchanged objects between views: a pointer comparison settles most.
-            let same = |a: &Arc<T>, b: &Arc<T>| Arc::ptr_eq(a, b) || a == b;
-            let removed = before.keys().filter(|k| !after.contains_key(*k));
-            let added_or_changed = after.iter().filter(|(k, o)| before.get(*k).is_none_or(|b| !same(b, o))).map(|(k, _)| k);
-            removed.chain(added_or_changed).cloned().collect()
-        }
+        let owned = |(namespace, name): (&str, &str)| (namespace.to_owned(), name.to_owned());
         Self {
-            services: changed(&previous.services, &current.services, |s| (&s.namespace, &s.name)),
-            slices: changed(&previous.slices, &current.slices, |s| (&s.namespace, &s.name)),
+            services: differing(&previous.services, &current.services, |s| {
+                (&s.namespace, &s.name)
+            })
+            .map(|d| owned(d.name()))
+            .collect(),
+            slices: differing(&previous.slices, &current.slices, |s| {
+                (&s.namespace, &s.name)
+            })
+            .map(|d| owned(d.name()))
+            .collect(),
         }
     }
+}
+
+/// An object that differs between two views.
+enum Difference<'a, T> {
+    Removed(&'a str, &'a str),
+    /// Added or changed: the current object.
+    Current(&'a str, &'a str, &'a T),
+}
+
+impl<T> Difference<'_, T> {
+    fn name(&self) -> (&str, &str) {
+        match self {
+            Difference::Removed(namespace, name) | Difference::Current(namespace, name, _) => {
+                (namespace, name)
+            }
+        }
+    }
+}
+
+/// The objects, by (namespace, name), that differ between two views: a merge of both in name
+/// order, copying no name. The sources hand out views in name order and share unchanged
+/// objects between them, so at 30 000 Services this is a pointer comparison per object, not a
+/// map of every name built twice per change (which took 130 ms).
+fn differing<'a, T: PartialEq>(
+    before: &'a [Arc<T>],
+    after: &'a [Arc<T>],
+    name: fn(&T) -> (&str, &str),
+) -> impl Iterator<Item = Difference<'a, T>> {
+    let sorted = |objects: &'a [Arc<T>]| {
+        let mut named: Vec<((&'a str, &'a str), &'a Arc<T>)> =
+            objects.iter().map(|o| (name(o), o)).collect();
+        if !named.is_sorted_by(|a, b| a.0 <= b.0) {
+            named.sort_by(|a, b| a.0.cmp(&b.0));
+        }
+        named.into_iter().peekable()
+    };
+    let (mut before, mut after) = (sorted(before), sorted(after));
+    std::iter::from_fn(move || loop {
+        use std::cmp::Ordering::*;
+        let order = match (before.peek(), after.peek()) {
+            (None, None) => return None,
+            (Some(_), None) => Less,
+            (None, Some(_)) => Greater,
+            (Some(b), Some(a)) => b.0.cmp(&a.0),
+        };
+        match order {
+            Less => {
+                let ((namespace, name), _) = before.next().expect("peeked");
+                return Some(Difference::Removed(namespace, name));
+            }
+            Greater => {
+                let ((namespace, name), object) = after.next().expect("peeked");
+                return Some(Difference::Current(namespace, name, &**object));
+            }
+            Equal => {
+                let (_, old) = before.next().expect("peeked");
+                let ((namespace, name), new) = after.next().expect("peeked");
+                if !Arc::ptr_eq(old, new) && old != new {
+                    return Some(Difference::Current(namespace, name, &**new));
+                }
+            }
+        }
+    })
 }
 
 /// Services (namespace/name) of the desired frontends (one `ServicePortName` per frontend) none
@@ -322,8 +381,19 @@ pub fn programmed_services<'a>(
     frontends: impl IntoIterator<Item = &'a ServicePortName>,
     failures: impl IntoIterator<Item = &'a str>,
 ) -> usize {
-    let failed: BTreeSet<&str> =
-        failures.into_iter().filter_map(|what| what.strip_prefix("Service ")?.split(" (").next()).collect();
+    let failed: BTreeSet<&str> = failures
+        .into_iter()
+        .filter_map(|what| what.strip_prefix("Service ")?.split(" (").next())
+        .collect();
+    if failed.is_empty() {
+        // The usual case, after every endpoint change: no name is formatted (at 30 000
+        // Services that took 44 ms).
+        let services: std::collections::HashSet<(&str, &str)> = frontends
+            .into_iter()
+            .map(|s| (s.namespace.as_str(), s.name.as_str()))
+            .collect();
+        return services.len();
+    }
     let mut services: BTreeMap<(&str, &str), bool> = BTreeMap::new();
     for service in frontends {
         let ok = !failed.contains(service.to_string().as_str());
@@ -343,26 +413,26 @@ pub fn change_times(
     received: SystemTime,
     agent_started: SystemTime,
 ) -> Vec<SystemTime> {
-    let slice_key = |s: &Slice| (s.namespace.clone(), s.name.clone());
-    let before: BTreeMap<_, &Slice> = previous.slices.iter().map(|s| (slice_key(s), &**s)).collect();
-    let after: BTreeMap<_, &Slice> = current.slices.iter().map(|s| (slice_key(s), &**s)).collect();
-
     let mut times = Vec::new();
-    let mut without_time = before.keys().any(|k| !after.contains_key(k));
-    for (name, slice) in &after {
-        if before.get(name) == Some(slice) {
-            continue;
-        }
-        match trigger_time(slice) {
-            Some(time) if time > agent_started => times.push(time),
-            Some(_) => {}
-            None => without_time = true,
+    let mut without_time = false;
+    for difference in differing(&previous.slices, &current.slices, |s| {
+        (&s.namespace, &s.name)
+    }) {
+        match difference {
+            Difference::Removed(..) => without_time = true,
+            Difference::Current(_, _, slice) => match trigger_time(slice) {
+                Some(time) if time > agent_started => times.push(time),
+                Some(_) => {}
+                None => without_time = true,
+            },
         }
     }
-    fn by_name(state: &ClusterState) -> BTreeMap<(&String, &String), &ServiceInfo> {
-        state.services.iter().map(|s| ((&s.namespace, &s.name), &**s)).collect()
-    }
-    if by_name(previous) != by_name(current) || previous.node != current.node {
+    let services_differ = differing(&previous.services, &current.services, |s| {
+        (&s.namespace, &s.name)
+    })
+    .next()
+    .is_some();
+    if services_differ || previous.node != current.node {
         without_time = true;
     }
     // A new view always counts at least once, even if it only carried old annotations.

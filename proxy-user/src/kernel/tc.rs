@@ -8,20 +8,15 @@
 //! pinned as `links/legacy-tc:<program>@<interface>` only so that `cleanup` knows what to remove.
 //! There a restart replaces the filter (detach, attach): a short gap the tcx path does not have.
 
-use std::collections::BTreeMap;
-use std::ffi::CString;
 use std::fs;
 use std::io;
-use std::net::IpAddr;
 use std::os::fd::AsFd;
 use std::path::Path;
 
-use aya::maps::{HashMap, MapData};
 use aya::programs::links::FdLink;
 use aya::programs::tc::{self, NlOptions, TcAttachOptions};
 use aya::programs::{LinkOrder, ProgramError, SchedClassifier, TcAttachType};
 use aya::sys::SyscallError;
-use proxy_abi::{map_name, IfAddr4, IfAddr6};
 
 use super::{bpf_link_update, bpf_obj_get, Datapath, DatapathError};
 
@@ -98,70 +93,8 @@ pub fn attach(datapath: &mut Datapath, bpffs: &Path, interfaces: &[String], mode
             attach_one(program, name, attach_type, interface, &links, mode)?;
         }
     }
-    record_interface_addresses(bpffs, interfaces)?;
+    datapath.flows.record_interface_addresses(interfaces)?;
     detach_unlisted(&links, interfaces)
-}
-
-/// Writes each interface's IPv4 and IPv6 address (the lowest of each family, if it has several;
-/// IPv6 link-local ones left out) into `epx_ifaddr4_v1` and `epx_ifaddr6_v1`: the SNAT source
-/// for externalIP/LoadBalancer traffic arriving there. Entries of other interfaces are removed.
-/// Called when the programs are attached, and again whenever the node's addresses change.
-pub fn record_interface_addresses(bpffs: &Path, interfaces: &[String]) -> Result<(), DatapathError> {
-    let addresses = crate::netif::interface_addresses()
-        .map_err(|source| DatapathError::InterfaceAddress { interface: interfaces.join(","), source })?;
-    let mut indexed = Vec::new();
-    for interface in interfaces {
-        let c_name = CString::new(interface.as_str()).map_err(|e| DatapathError::InterfaceAddress {
-            interface: interface.clone(),
-            source: io::Error::other(e),
-        })?;
-        // SAFETY: if_nametoindex reads a NUL-terminated string.
-        let ifindex = unsafe { libc::if_nametoindex(c_name.as_ptr()) };
-        if ifindex != 0 {
-            let own = addresses.iter().filter(|(owner, _)| owner == interface).map(|(_, addr)| *addr);
-            indexed.push((ifindex, own.collect::<Vec<IpAddr>>()));
-        }
-    }
-    let mut ifaddr4 = super::open_pinned_hash::<u32, IfAddr4>(bpffs, map_name::IFADDR4)?;
-    write_interface_addresses(&mut ifaddr4, map_name::IFADDR4, &indexed, |addr| match addr {
-        IpAddr::V4(v4) => Some(IfAddr4 { addr_be: u32::from(v4).to_be() }),
-        IpAddr::V6(_) => None,
-    })?;
-    let mut ifaddr6 = super::open_pinned_hash::<u32, IfAddr6>(bpffs, map_name::IFADDR6)?;
-    write_interface_addresses(&mut ifaddr6, map_name::IFADDR6, &indexed, |addr| match addr {
-        IpAddr::V6(v6) if crate::netif::is_node_address(addr) => Some(IfAddr6 { addr: crate::reconcile::ipv6_words(v6) }),
-        _ => None,
-    })
-}
-
-/// One family's map of [`record_interface_addresses`]: ifindex -> the lowest address `convert`
-/// accepts.
-fn write_interface_addresses<V: aya::Pod + PartialEq>(
-    map: &mut HashMap<MapData, u32, V>,
-    name: &'static str,
-    interfaces: &[(u32, Vec<IpAddr>)],
-    convert: impl Fn(IpAddr) -> Option<V>,
-) -> Result<(), DatapathError> {
-    let mut wanted = BTreeMap::new();
-    for (ifindex, addresses) in interfaces {
-        let mut own: Vec<IpAddr> = addresses.iter().copied().filter(|a| convert(*a).is_some()).collect();
-        own.sort();
-        if let Some((addr, value)) = own.first().and_then(|a| Some((*a, convert(*a)?))) {
-            wanted.insert(*ifindex, (addr, value));
-        }
-    }
-    let write_err = |source| DatapathError::MapWrite { name, source };
-    let stale: Vec<u32> = map.keys().filter_map(Result::ok).filter(|ifindex| !wanted.contains_key(ifindex)).collect();
-    for ifindex in stale {
-        map.remove(&ifindex).map_err(write_err)?;
-    }
-    for (ifindex, (addr, value)) in wanted {
-        if map.get(&ifindex, 0).ok() != Some(value) {
-            map.insert(ifindex, value, 0).map_err(write_err)?;
-            tracing::info!(ifindex, %addr, "SNAT source address of the interface recorded");
-        }
-    }
-    Ok(())
 }
 
 fn attach_one(

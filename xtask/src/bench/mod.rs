@@ -568,12 +568,20 @@ fn pool_endpoints(without: Option<u8>) -> Vec<Endpoint> {
     slice("x", 8080).endpoints.into_iter().enumerate().filter(|(b, _)| Some(*b as u8) != without).map(|(_, e)| e).collect()
 }
 
-/// `changes` times: backend be9 is removed from the newest Service's slice, and each proxy's
-/// client pod connects to the Service 2000 times a second until be9 has not answered for
-/// 1.5 s; the latency is the last answer from be9 minus the time of the write (so it includes
-/// the watch's delivery). be9 is then put back, and every proxy must route to it again before
-/// the next change. Returns the latencies (ms) per contender.
-fn endpoint_changes(api: &ControlPlane, nodes: &[BenchNode], n: usize, changes: u32) -> anyhow::Result<Vec<(&'static str, Vec<f64>)>> {
+/// For each proxy in turn, `changes` times: backend be9 is removed from the newest Service's
+/// slice, and that proxy's client pod connects to the Service 2000 times a second until be9
+/// has not answered for 1.5 s; the latency is the last answer from be9 minus the time of the
+/// write (so it includes the watch's delivery). be9 is then put back, and the proxy must route
+/// to it again before the next change. The other proxies are paused (SIGSTOP) during a proxy's
+/// turn, so that their work on the same changes (kube-proxy re-syncs every rule: at 10 000
+/// Services, seconds of both CPUs per change) does not count against it; they catch up at the
+/// start of their own turn. Returns the latencies (ms) per contender.
+fn endpoint_changes(
+    api: &ControlPlane,
+    nodes: &[BenchNode],
+    n: usize,
+    changes: u32,
+) -> anyhow::Result<Vec<(&'static str, Vec<f64>)>> {
     use std::io::{BufRead, BufReader};
     const REMOVED: u8 = BACKENDS - 1;
     let removed_name = format!("be{REMOVED}");
@@ -593,10 +601,41 @@ fn endpoint_changes(api: &ControlPlane, nodes: &[BenchNode], n: usize, changes: 
             .with_context(|| format!("changing the endpoints of {service}"))?;
         Ok(())
     };
-    for _ in 0..changes {
-        check_interrupted()?;
-        let mut watchers = Vec::new();
-        for node in &proxies {
+    // be9 answers through `node` (within `limit_ms`: a proxy that was paused catches up first).
+    let routed_again = |node: &BenchNode, limit_ms: &str| -> anyhow::Result<()> {
+        let status = node
+            .client_probe()?
+            .args([
+                "wait",
+                "--to",
+                &target,
+                "--name",
+                &removed_name,
+                "--limit-ms",
+                limit_ms,
+            ])
+            .stdin(Stdio::null())
+            .status()?;
+        if !status.success() {
+            bail!(
+                "{}: {removed_name} did not come back on {target} within {limit_ms} ms",
+                node.contender.name()
+            );
+        }
+        Ok(())
+    };
+    for (turn, node) in proxies.iter().enumerate() {
+        let _paused = Paused::all(
+            proxies
+                .iter()
+                .enumerate()
+                .filter(|(other, _)| *other != turn)
+                .filter_map(|(_, p)| p.pid()),
+        );
+        routed_again(node, "120000")?;
+        let out = &mut latencies[turn].1;
+        for _ in 0..changes {
+            check_interrupted()?;
             let mut child = node
                 .client_probe()?
                 .args(["last-answer", "--to", &target, "--name", &removed_name, "--quiet-ms", "1500", "--limit-ms", "30000"])
@@ -611,35 +650,49 @@ fn endpoint_changes(api: &ControlPlane, nodes: &[BenchNode], n: usize, changes: 
                 let _ = child.kill();
                 bail!("{}: {removed_name} never answered on {target} before the change ({line:?})", node.contender.name());
             }
-            watchers.push((child, reader));
-        }
-        let written = unix_micros();
-        set_endpoints(Some(REMOVED), written)?;
-        for ((child, mut reader), (name, out)) in watchers.into_iter().zip(latencies.iter_mut()) {
+            let written = unix_micros();
+            set_endpoints(Some(REMOVED), written)?;
             let mut line = String::new();
             reader.read_line(&mut line)?;
-            let mut child = child;
             child.wait()?;
             let answer: serde_json::Value = serde_json::from_str(line.trim()).with_context(|| format!("parsing {line:?}"))?;
             if answer["quiet"] != true {
-                bail!("{name}: {removed_name} still got new connections 30 s after it was removed ({answer})");
+                bail!("{}: {removed_name} still got new connections 30 s after it was removed ({answer})", node.contender.name());
             }
             let last = answer["last_us"].as_u64().context("no last answer")?;
             out.push(last.saturating_sub(written) as f64 / 1000.0);
-        }
-        set_endpoints(None, unix_micros())?;
-        for node in &proxies {
-            let status = node
-                .client_probe()?
-                .args(["wait", "--to", &target, "--name", &removed_name, "--limit-ms", "30000"])
-                .stdin(Stdio::null())
-                .status()?;
-            if !status.success() {
-                bail!("{}: {removed_name} did not come back on {target} within 30 s", node.contender.name());
-            }
+            set_endpoints(None, unix_micros())?;
+            routed_again(node, "30000")?;
         }
     }
+    // Every proxy routes to be9 again before the next step measures it.
+    for node in &proxies {
+        routed_again(node, "120000")?;
+    }
     Ok(latencies)
+}
+
+/// Processes paused with SIGSTOP, resumed (SIGCONT) when this is dropped, also on failure.
+struct Paused(Vec<u32>);
+
+impl Paused {
+    fn all(pids: impl IntoIterator<Item = u32>) -> Self {
+        let pids: Vec<u32> = pids.into_iter().collect();
+        for pid in &pids {
+            // SAFETY: kill has no memory preconditions; the pid is a child this run started.
+            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGSTOP) };
+        }
+        Self(pids)
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            // SAFETY: as above.
+            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGCONT) };
+        }
+    }
 }
 
 fn clock_ticks() -> f64 {

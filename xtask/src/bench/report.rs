@@ -387,9 +387,11 @@ is started alone, and timed from its process start until the newest Service answ
 so that tens of thousands of short connections do not run out of ports in any contender's run.\n\
 - **Traffic**: `epx-probe rate` (this repository): connect, read the answer, close, as fast as it goes, timing each \
 `connect()` (SYN → established, the first-packet latency); `rr`: one connection, 1000 request/response exchanges per second. \
-Endpoint changes: backend be9 is removed from the newest Service's slice (a merge patch through the API) while each proxy's \
-client pod connects 2000 times a second; the figure is be9's last answer minus the time of the write (so it includes the \
-watch's delivery), over 20 changes (3 in the quick run), be9 put back and routed to again by every proxy in between. \
+Endpoint changes, one proxy at a time: backend be9 is removed from the newest Service's slice (a merge patch through the \
+API) while that proxy's client pod connects 2000 times a second; the figure is be9's last answer minus the time of the \
+write (so it includes the watch's delivery), over 20 changes (3 in the quick run), be9 put back and routed to again in \
+between. The other proxies are paused (SIGSTOP) meanwhile, so that their work on the same changes (kube-proxy re-writes \
+every rule per change) does not delay the one measured; each catches up at the start of its own turn. \
 Cross-check: Debian's `ab -c 1` (ApacheBench, no keep-alive) against the same ClusterIP. CPU: system + softirq time of the \
 whole machine (`/proc/stat`) during the 1-client ClusterIP window, per 10 000 connections (client, server and proxy together).\n";
 
