@@ -106,6 +106,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         tracing::warn!("the kernel programs' failure log will not be shown: {}", error_chain(&error));
     }
     let flows = datapath.flows.clone();
+    let attached_anew = datapath.attached_anew;
     configure_snat_ports(&args, &flows)?;
     for path in kernel::remove_obsolete_pins(&args.bpffs) {
         tracing::info!(pin = %path.display(), "unpinned a map of an earlier layout that no program uses any more");
@@ -121,6 +122,11 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     );
 
     let status = Arc::new(Mutex::new(Status::default()));
+    {
+        let metrics = &status.lock().expect("status lock").metrics;
+        metrics.adopted_frontends.set(metrics::gauge_count(reconciler.programmed_frontends()));
+        metrics.attached_anew.set(metrics::gauge_count(attached_anew));
+    }
     if reconciler.programmed_frontends() == 0 {
         restore_checkpoint(&args.state_dir, &mut reconciler, &status);
     }

@@ -232,6 +232,9 @@ pub struct Datapath {
     pub maps: KernelMaps,
     /// Everything else the agent reads and trims, shared with its metrics and background jobs.
     pub flows: std::sync::Arc<FlowMaps>,
+    /// Programs attached through a new link (or filter) rather than swapped into a pinned one:
+    /// 0 when the agent took over a running datapath.
+    pub attached_anew: usize,
 }
 
 impl Datapath {
@@ -287,6 +290,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities, object: Option<&[
     }
     let mut ebpf = loader.load(object).map_err(DatapathError::Load)?;
 
+    let mut attached_anew = 0;
     let cgroup_dir = fs::File::open(cgroup).map_err(|source| DatapathError::Bpffs { path: cgroup.to_owned(), source })?;
     for name in SOCK_PROGRAMS {
         let program: &mut CgroupSockAddr = ebpf
@@ -326,16 +330,13 @@ pub fn load(bpffs: &Path, cgroup: &Path, caps: &MapCapacities, object: Option<&[
             let link = FdLink::try_from(link).map_err(|e| link_err("convert", io::Error::other(e.to_string())))?;
             link.pin(&link_path).map_err(|e| link_err("pin", io::Error::other(e.to_string())))?;
             tracing::info!(program = name, cgroup = %cgroup.display(), "attached and pinned");
+            attached_anew += 1;
         }
     }
 
     let maps = KernelMaps::from_ebpf(&mut ebpf)?;
     let flows = std::sync::Arc::new(FlowMaps::open_pinned(bpffs)?);
-    Ok(Datapath {
-        _ebpf: ebpf,
-        maps,
-        flows,
-    })
+    Ok(Datapath { _ebpf: ebpf, maps, flows, attached_anew })
 }
 
 /// `bpf(BPF_OBJ_GET)`: opens a pinned object. (aya 0.14's `PinnedLink::from_pin` opens a link

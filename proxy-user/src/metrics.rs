@@ -84,6 +84,10 @@ pub struct SyncMetrics {
     rejected_total: Family<RejectionLabels, Counter>,
     /// healthCheckNodePort listeners open.
     pub health_check_ports: Gauge,
+    /// Frontends the pinned maps held when the agent started (set once).
+    pub adopted_frontends: Gauge,
+    /// Programs the agent attached anew when it started (set once).
+    pub attached_anew: Gauge,
     service_changes: Counter,
     endpoint_changes: Counter,
     service_changes_pending: Gauge,
@@ -107,6 +111,8 @@ impl Default for SyncMetrics {
             rejected_now: Gauge::default(),
             rejected_total: Family::default(),
             health_check_ports: Gauge::default(),
+            adopted_frontends: Gauge::default(),
+            attached_anew: Gauge::default(),
             service_changes: Counter::default(),
             endpoint_changes: Counter::default(),
             service_changes_pending: Gauge::default(),
@@ -166,6 +172,8 @@ mod help {
     pub const BACKENDS: &str = "Backends (address, port, protocol) in the datapath";
     pub const REJECTED_NOW: &str = "Objects or parts of objects rejected in the last sync";
     pub const REJECTED_TOTAL: &str = "Rejected objects by kind and reason class, counted once when first reported";
+    pub const ADOPTED_FRONTENDS: &str = "Frontends the pinned maps already held when the agent started, re-learned without a write (0 on a fresh node or after a reboot)";
+    pub const ATTACHED_ANEW: &str = "Programs the agent attached through a new link when it started (0: it swapped its programs into the pinned links of a running datapath, so no packet went untranslated)";
     pub const HEALTH_CHECK_PORTS: &str = "healthCheckNodePort listeners open (externalTrafficPolicy: Local LoadBalancer Services)";
     /// Collectors write their help as it is, period included.
     pub const SOURCE_CONNECTED: &str = "1 while the source (API server or manifest file) answers and confirms its view, 0 during an outage.";
@@ -195,6 +203,8 @@ pub fn registry(
     registry.register("ebpf_proxy_rejected_objects", help::REJECTED_NOW, m.rejected_now.clone());
     registry.register("ebpf_proxy_rejected_objects", help::REJECTED_TOTAL, m.rejected_total.clone());
     registry.register("ebpf_proxy_health_check_node_ports", help::HEALTH_CHECK_PORTS, m.health_check_ports.clone());
+    registry.register("ebpf_proxy_adopted_frontends", help::ADOPTED_FRONTENDS, m.adopted_frontends.clone());
+    registry.register("ebpf_proxy_programs_attached_anew", help::ATTACHED_ANEW, m.attached_anew.clone());
     registry.register_collector(Box::new(SourceConnected(source)));
     registry.register_collector(Box::new(DatapathEvents { read: Box::new(datapath_counters) }));
 

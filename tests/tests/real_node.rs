@@ -786,28 +786,35 @@ impl DeployedAgent {
         Ok(ready_pod(&listing, previous).expect("checked").to_owned())
     }
 
-    /// Checks from `pod`'s log that it adopted the pinned datapath: it found the frontends in the
-    /// pinned maps, attached no program anew, and (`unchanged`: nothing changed in the API
-    /// meanwhile) its first sync wrote nothing.
+    /// Checks from `pod`'s `/metrics` (the node's port: hostNetwork) that it adopted the pinned
+    /// datapath: it found the frontends in the pinned maps, attached no program anew, and
+    /// (`unchanged`: nothing changed in the API meanwhile) its first sync wrote nothing.
     fn check_adopted(&self, node: &Node, pod: &str, unchanged: bool) -> anyhow::Result<()> {
-        let logs = node.kubectl_until(&["-n", NAMESPACE, "logs", pod, "-c", "agent"], SERVICE_TIMEOUT, |logs| logs.contains(" synced"))?;
-        anyhow::ensure!(!logs.contains("attached and pinned"), "{pod} attached programs anew:\n{logs}");
-        let field = |marker: &str, name: &str| -> anyhow::Result<usize> {
-            let line = logs.lines().find(|line| line.contains(marker)).with_context(|| format!("{pod} logged no {marker:?}:\n{logs}"))?;
-            let prefix = format!("{name}=");
-            let value = line.split_whitespace().find_map(|field| field.strip_prefix(prefix.as_str())).with_context(|| format!("no {name}= in {line}"))?;
-            Ok(value.parse()?)
+        let value = |metrics: &str, name: &str| -> Option<f64> {
+            metrics.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
         };
-        let adopted = field("datapath ready", "frontends")?;
-        anyhow::ensure!(adopted > 0, "{pod} did not adopt the pinned maps:\n{logs}");
-        // What the pod's agent wrote, from its /metrics (the node's port: hostNetwork).
-        let (_, metrics) = self.http(METRICS_PORT, "/metrics")?;
-        let writes: u64 = metrics
-            .lines()
-            .find_map(|line| line.strip_prefix("ebpf_proxy_sync_map_writes_total "))
-            .with_context(|| format!("no ebpf_proxy_sync_map_writes_total in /metrics:\n{metrics}"))?
-            .parse()?;
-        anyhow::ensure!(!unchanged || writes == 0, "{pod} wrote {writes} map entries to maps it adopted:\n{logs}");
+        let deadline = std::time::Instant::now() + SERVICE_TIMEOUT;
+        let metrics = loop {
+            // The first sync is done once the agent counts one.
+            if let Ok((_, metrics)) = self.http(METRICS_PORT, "/metrics") {
+                if value(&metrics, "ebpf_proxy_sync_total").is_some_and(|syncs| syncs >= 1.0) {
+                    break metrics;
+                }
+            }
+            if std::time::Instant::now() > deadline {
+                let logs = node.kubectl(&["-n", NAMESPACE, "logs", pod, "-c", "agent"]).unwrap_or_default();
+                anyhow::bail!("{pod} did not sync within {SERVICE_TIMEOUT:?}:\n{logs}");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        };
+        let read = |name: &str| value(&metrics, name).with_context(|| format!("no {name} in {pod}'s /metrics:\n{metrics}"));
+        let logs = || node.kubectl(&["-n", NAMESPACE, "logs", pod, "-c", "agent"]).unwrap_or_default();
+        let anew = read("ebpf_proxy_programs_attached_anew")?;
+        anyhow::ensure!(anew == 0.0, "{pod} attached {anew} programs anew:\n{}", logs());
+        let adopted = read("ebpf_proxy_adopted_frontends")?;
+        anyhow::ensure!(adopted > 0.0, "{pod} did not adopt the pinned maps:\n{}", logs());
+        let writes = read("ebpf_proxy_sync_map_writes_total")?;
+        anyhow::ensure!(!unchanged || writes == 0.0, "{pod} wrote {writes} map entries to maps it adopted:\n{}", logs());
         Ok(())
     }
 

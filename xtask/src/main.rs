@@ -84,6 +84,10 @@ enum Task {
         /// past that it is left out from that N on (the report says so).
         #[arg(long, default_value_t = 600)]
         cold_start_limit: u64,
+        /// Measure only these proxies (comma-separated: ebpf-proxy, kube-proxy-iptables,
+        /// kube-proxy-nftables) against the no-proxy baseline; default: all.
+        #[arg(long, value_delimiter = ',')]
+        contenders: Option<Vec<String>>,
     },
     /// A local control plane (etcd + kube-apiserver) in a network namespace, with a kubeconfig;
     /// `up --node` adds a real node: kube-controller-manager, kube-scheduler, kubelet on
@@ -275,6 +279,7 @@ fn bench_options(quick: bool, max_services: usize, out: Option<PathBuf>) -> benc
         rounds: None,
         command,
         cold_start_limit: std::time::Duration::from_secs(600),
+        contenders: None,
     }
 }
 
@@ -332,7 +337,7 @@ fn main() -> anyhow::Result<()> {
             cluster::up(node)
         }
         Task::Cluster { action: ClusterAction::Down } => cluster::down(),
-        Task::Bench { quick, max_services, window, rounds, out, redraw, cold_start_limit } => {
+        Task::Bench { quick, max_services, window, rounds, out, redraw, cold_start_limit, contenders } => {
             if let Some(dir) = redraw {
                 return bench::redraw(&dir);
             }
@@ -355,6 +360,10 @@ fn main() -> anyhow::Result<()> {
                 options.command.push_str(&format!(" --cold-start-limit {cold_start_limit}"));
             }
             options.cold_start_limit = std::time::Duration::from_secs(cold_start_limit);
+            if let Some(names) = &contenders {
+                options.command.push_str(&format!(" --contenders {}", names.join(",")));
+            }
+            options.contenders = contenders;
             bench::run(&options)
         }
         Task::Peers => peers::run().map(|dir| println!("{}", dir.display())),

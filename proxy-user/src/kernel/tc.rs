@@ -90,7 +90,9 @@ pub fn attach(datapath: &mut Datapath, bpffs: &Path, interfaces: &[String], mode
             .map_err(|source| DatapathError::Program { name, source })?;
         program.load().map_err(|source| DatapathError::Program { name, source })?;
         for interface in interfaces {
-            attach_one(program, name, attach_type, interface, &links, mode)?;
+            if attach_one(program, name, attach_type, interface, &links, mode)? {
+                datapath.attached_anew += 1;
+            }
         }
     }
     datapath.flows.record_interface_addresses(interfaces)?;
@@ -104,7 +106,7 @@ fn attach_one(
     interface: &str,
     links: &Path,
     mode: AttachMode,
-) -> Result<(), DatapathError> {
+) -> Result<bool, DatapathError> {
     let pin = links.join(link_name(name, interface));
     let link_err = |action, source| DatapathError::Link { action, path: pin.clone(), source };
     if mode == AttachMode::Legacy {
@@ -112,7 +114,7 @@ fn attach_one(
         if pin.exists() {
             fs::remove_file(&pin).map_err(|e| link_err("remove", e))?;
         }
-        return attach_legacy(program, name, attach_type, interface, links);
+        return attach_legacy(program, name, attach_type, interface, links).map(|()| true);
     }
     if pin.exists() {
         let prog_fd = program.fd().map_err(|source| DatapathError::Program { name, source })?;
@@ -120,7 +122,7 @@ fn attach_one(
         match bpf_link_update(link.as_fd(), prog_fd.as_fd()) {
             Ok(()) => {
                 tracing::debug!(program = name, interface, "replaced the program inside the pinned tcx link");
-                return Ok(());
+                return Ok(false);
             }
             // The interface went away (maybe it came back with another ifindex): the link is
             // dead, attach anew.
@@ -143,13 +145,13 @@ fn attach_one(
             let link = FdLink::try_from(link).map_err(|e| link_err("convert", io::Error::other(e.to_string())))?;
             link.pin(&pin).map_err(|e| link_err("pin", io::Error::other(e.to_string())))?;
             tracing::info!(program = name, interface, "attached (tcx) and pinned");
-            Ok(())
+            Ok(true)
         }
         // Kernels before 6.6 do not know the tcx attach types.
         Err(ProgramError::SyscallError(SyscallError { io_error, .. }))
             if mode == AttachMode::Auto && io_error.raw_os_error() == Some(libc::EINVAL) =>
         {
-            attach_legacy(program, name, attach_type, interface, links)
+            attach_legacy(program, name, attach_type, interface, links).map(|()| true)
         }
         Err(ProgramError::SyscallError(SyscallError { io_error, .. }))
             if mode == AttachMode::Tcx && io_error.raw_os_error() == Some(libc::EINVAL) =>

@@ -73,6 +73,8 @@ pub struct Options {
     /// A proxy whose newest Service does not answer this long after its cold start is left out
     /// from that N on.
     pub cold_start_limit: Duration,
+    /// The proxies measured (the no-proxy baseline always is); `None`: all three.
+    pub contenders: Option<Vec<String>>,
 }
 
 /// The ClusterIP of Service `bench-i`: 10.96.1.1 onwards, 250 per /24.
@@ -89,6 +91,19 @@ enum Contender {
 
 impl Contender {
     const ALL: [Contender; 4] = [Contender::NoProxy, Contender::Ebpf, Contender::KubeProxy(Mode::Iptables), Contender::KubeProxy(Mode::Nftables)];
+
+    /// The proxies named (`ebpf-proxy`, `kube-proxy-iptables`, `kube-proxy-nftables`), after
+    /// the no-proxy baseline; all of them without names.
+    pub fn selected(names: Option<&[String]>) -> anyhow::Result<Vec<Contender>> {
+        let Some(names) = names else { return Ok(Self::ALL.to_vec()) };
+        for name in names {
+            if !Self::ALL[1..].iter().any(|c| c.name() == name) {
+                let known: Vec<&str> = Self::ALL[1..].iter().map(|c| c.name()).collect();
+                bail!("--contenders: unknown proxy {name:?} (known: {})", known.join(", "));
+            }
+        }
+        Ok(Self::ALL.into_iter().filter(|c| *c == Contender::NoProxy || names.iter().any(|n| n == c.name())).collect())
+    }
 
     fn name(self) -> &'static str {
         match self {
@@ -318,8 +333,13 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
         ..Default::default()
     };
     // Steps: per N, the Services, 3 cold starts and rounds × 4 contenders × windows.
-    let mut progress = Progress { started, done: 0, total: 2 + scales.len() * (2 + 3 + rounds as usize * 4) };
-    let plan = Plan { scales, window, rounds, changes, cold_start_limit: options.cold_start_limit };
+    let contenders = Contender::selected(options.contenders.as_deref())?;
+    let proxies = contenders.len() - 1;
+    let mut progress = Progress { started, done: 0, total: 2 + scales.len() * (2 + proxies + rounds as usize * contenders.len()) };
+    if options.contenders.is_some() {
+        report.run.contenders = contenders.iter().map(|c| c.name().to_owned()).collect();
+    }
+    let plan = Plan { scales, window, rounds, changes, cold_start_limit: options.cold_start_limit, contenders };
     let measured = measure(&plan, &mut report, &mut progress);
     report.run.duration_s = started.elapsed().as_secs_f64();
     if let Err(error) = &measured {
@@ -341,10 +361,11 @@ struct Plan {
     rounds: u32,
     changes: u32,
     cold_start_limit: Duration,
+    contenders: Vec<Contender>,
 }
 
 fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow::Result<()> {
-    let Plan { scales, window, rounds, changes, cold_start_limit } = plan;
+    let Plan { scales, window, rounds, changes, cold_start_limit, contenders } = plan;
     let (window, rounds, changes) = (*window, *rounds, *changes);
     progress.step("starting etcd and kube-apiserver");
     let mut cp_topo = Topology::new()?;
@@ -353,9 +374,9 @@ fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow:
     create_nodes(&api)?;
     create_http_service(&api)?;
 
-    progress.step("four node namespaces: pods, backends, external clients; the proxies start");
+    progress.step("node namespaces: pods, backends, external clients; the proxies start");
     let mut nodes = Vec::new();
-    for contender in Contender::ALL {
+    for &contender in contenders {
         check_interrupted()?;
         nodes.push(BenchNode::new(contender, &api).with_context(|| format!("setting up the {} node", contender.name()))?);
     }

@@ -45,6 +45,9 @@ pub struct Run {
     /// Why the run stopped before it measured everything (a partial report).
     #[serde(default)]
     pub incomplete: Option<String>,
+    /// The contenders measured (`--contenders`); empty: all of them.
+    #[serde(default)]
+    pub contenders: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -111,7 +114,8 @@ impl Report {
     pub fn missing(&self) -> Vec<String> {
         let mut missing = Vec::new();
         for &n in &self.run.scales {
-            for contender in CONTENDERS {
+            let measured = |c: &&&str| self.run.contenders.is_empty() || self.run.contenders.iter().any(|m| m == **c);
+            for contender in CONTENDERS.iter().filter(measured) {
                 let dropped = self.run.dropped.iter().any(|d| d.contender == *contender && d.n <= n);
                 for m in METRICS {
                     if (m.proxies_only && *contender == "no-proxy") || dropped {
@@ -250,6 +254,9 @@ pub fn markdown(report: &Report) -> String {
     );
     if let Some(why) = &run.incomplete {
         let _ = writeln!(md, "**This run stopped before it measured everything** ({why}); the figures below are those it had.\n");
+    }
+    if !run.contenders.is_empty() {
+        let _ = writeln!(md, "**Only these contenders were measured** (`--contenders`): {}.\n", run.contenders.join(", "));
     }
     if !run.dropped.is_empty() {
         let _ = writeln!(md, "**Left out**:\n");
