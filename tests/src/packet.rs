@@ -1,11 +1,17 @@
-//! Hand-built Ethernet/IPv4/TCP/UDP frames for packet tests, with checksums computed from
-//! scratch, and a reader for the frames a program gives back.
+//! Ethernet/IPv4/TCP/UDP frames for packet tests, and a reader for the frames a program gives
+//! back. Headers and checksums come from etherparse, an implementation independent of the
+//! kernel programs'.
 //!
 //! Frames are described by [`Frame`] and turned into bytes by [`Frame::build`]; a test builds
 //! the input and the expected output the same way, so comparing bytes also proves that the
 //! program's incremental checksum updates equal a full recomputation.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
+
+use etherparse::{
+    EtherType, Ethernet2Header, Icmpv4Header, Icmpv4Type, Icmpv6Type, IpFragOffset, IpNumber, Ipv4Header, Ipv4HeaderSlice, Ipv4Options,
+    TcpHeader, TcpHeaderSlice, UdpHeader, UdpHeaderSlice,
+};
 
 pub const ETH_HLEN: usize = 14;
 pub const IPPROTO_ICMP: u8 = 1;
@@ -82,29 +88,16 @@ impl Frame {
     }
 
     pub fn build(&self) -> Vec<u8> {
-        assert!(self.ip_options.len() % 4 == 0 && self.ip_options.len() <= 40, "bad IP options length");
         let l4 = self.l4_bytes();
-        let ip_hlen = 20 + self.ip_options.len();
-        let tot_len = ip_hlen + l4.len();
-        let mut frame = Vec::with_capacity(ETH_HLEN + tot_len);
-        frame.extend_from_slice(&self.dst_mac);
-        frame.extend_from_slice(&self.src_mac);
-        frame.extend_from_slice(&0x0800u16.to_be_bytes());
-        let mut ip = vec![0u8; 20];
-        ip[0] = 0x40 | (ip_hlen / 4) as u8;
-        ip[2..4].copy_from_slice(&(tot_len as u16).to_be_bytes());
-        ip[4..6].copy_from_slice(&self.ip_id.to_be_bytes());
-        ip[6..8].copy_from_slice(&self.frag_off.to_be_bytes());
-        ip[8] = self.ttl;
-        ip[9] = self.proto();
-        ip[12..16].copy_from_slice(&self.src.ip().octets());
-        ip[16..20].copy_from_slice(&self.dst.ip().octets());
-        ip.extend_from_slice(&self.ip_options);
-        let csum = checksum(&[&ip]);
-        ip[10..12].copy_from_slice(&csum.to_be_bytes());
-        frame.extend_from_slice(&ip);
-        frame.extend_from_slice(&l4);
-        frame
+        let mut ip = Ipv4Header::new(0, self.ttl, IpNumber(self.proto()), self.src.ip().octets(), self.dst.ip().octets()).expect("no payload yet");
+        ip.options = Ipv4Options::try_from(self.ip_options.as_slice()).expect("IPv4 options: a multiple of 4 bytes, at most 40");
+        ip.set_payload_len(l4.len()).expect("the payload fits");
+        ip.identification = self.ip_id;
+        ip.dont_fragment = self.frag_off & 0x4000 != 0;
+        ip.more_fragments = self.frag_off & 0x2000 != 0;
+        ip.fragment_offset = IpFragOffset::try_new(self.frag_off & 0x1fff).expect("13 bits");
+        ip.header_checksum = ip.calc_header_checksum();
+        ethernet(self.src_mac, self.dst_mac, EtherType::IPV4, &[&ip.to_bytes(), &l4])
     }
 
     fn proto(&self) -> u8 {
@@ -115,45 +108,62 @@ impl Frame {
     }
 
     fn l4_bytes(&self) -> Vec<u8> {
-        let (mut l4, csum_at) = l4_segment(&self.l4, self.src.port(), self.dst.port(), &self.payload);
-        if !matches!(self.l4, L4::Udp { checksum: false }) {
-            let csum = l4_checksum(*self.src.ip(), *self.dst.ip(), self.proto(), &l4);
-            set_l4_checksum(&mut l4, csum_at, csum, self.proto());
-        }
-        l4
+        let (src, dst) = (self.src.ip().octets(), self.dst.ip().octets());
+        let checksum = match self.l4 {
+            L4::Udp { checksum: false } => Checksum::None,
+            _ => Checksum::Ipv4(src, dst),
+        };
+        l4_segment(&self.l4, self.src.port(), self.dst.port(), &self.payload, checksum)
     }
 }
 
-/// A TCP or UDP segment (header and `payload`) with its checksum field zero, and where that
-/// field is. Shared by the IPv4 and IPv6 frame builders.
-pub fn l4_segment(l4: &L4, sport: u16, dport: u16, payload: &[u8]) -> (Vec<u8>, usize) {
-    let mut segment = Vec::new();
-    segment.extend_from_slice(&sport.to_be_bytes());
-    segment.extend_from_slice(&dport.to_be_bytes());
-    let csum_at = match *l4 {
-        L4::Tcp { flags, seq, ack } => {
-            segment.extend_from_slice(&seq.to_be_bytes());
-            segment.extend_from_slice(&ack.to_be_bytes());
-            segment.push(5 << 4);
-            segment.push(flags);
-            segment.extend_from_slice(&64240u16.to_be_bytes());
-            segment.extend_from_slice(&[0, 0, 0, 0]);
-            16
-        }
-        L4::Udp { .. } => {
-            segment.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
-            segment.extend_from_slice(&[0, 0]);
-            6
-        }
-    };
-    segment.extend_from_slice(payload);
-    (segment, csum_at)
+/// How an L4 segment's checksum is made.
+pub enum Checksum {
+    /// 0: "no checksum" (UDP over IPv4 only).
+    None,
+    /// Over the IPv4 pseudo-header of (source, destination).
+    Ipv4([u8; 4], [u8; 4]),
+    /// Over the IPv6 pseudo-header of (source, destination).
+    Ipv6([u8; 16], [u8; 16]),
 }
 
-/// Writes a computed checksum; for UDP a computed 0 goes out as 0xffff (0 means "none").
-pub fn set_l4_checksum(segment: &mut [u8], csum_at: usize, csum: u16, proto: u8) {
-    let csum = if csum == 0 && proto == IPPROTO_UDP { 0xffff } else { csum };
-    segment[csum_at..csum_at + 2].copy_from_slice(&csum.to_be_bytes());
+/// A TCP or UDP segment (header and `payload`) with its checksum. Shared by the IPv4 and IPv6
+/// frame builders.
+pub fn l4_segment(l4: &L4, sport: u16, dport: u16, payload: &[u8], checksum: Checksum) -> Vec<u8> {
+    let header = match *l4 {
+        L4::Tcp { flags, seq, ack } => {
+            let mut tcp = TcpHeader::new(sport, dport, seq, 64240);
+            tcp.acknowledgment_number = ack;
+            tcp.fin = flags & TCP_FIN != 0;
+            tcp.syn = flags & TCP_SYN != 0;
+            tcp.rst = flags & TCP_RST != 0;
+            tcp.psh = flags & 0x08 != 0;
+            tcp.ack = flags & TCP_ACK != 0;
+            tcp.checksum = match checksum {
+                Checksum::None => 0,
+                Checksum::Ipv4(src, dst) => tcp.calc_checksum_ipv4_raw(src, dst, payload).expect("segment fits"),
+                Checksum::Ipv6(src, dst) => tcp.calc_checksum_ipv6_raw(src, dst, payload).expect("segment fits"),
+            };
+            tcp.to_bytes().to_vec()
+        }
+        L4::Udp { .. } => {
+            let mut udp = UdpHeader::without_ipv4_checksum(sport, dport, payload.len()).expect("datagram fits");
+            // etherparse sends a computed 0 as 0xffff (0 means "none").
+            udp.checksum = match checksum {
+                Checksum::None => 0,
+                Checksum::Ipv4(src, dst) => udp.calc_checksum_ipv4_raw(src, dst, payload).expect("datagram fits"),
+                Checksum::Ipv6(src, dst) => udp.calc_checksum_ipv6_raw(src, dst, payload).expect("datagram fits"),
+            };
+            udp.to_bytes().to_vec()
+        }
+    };
+    [header.as_slice(), payload].concat()
+}
+
+/// An Ethernet frame of `ether_type` carrying the concatenated `parts`.
+pub fn ethernet(src_mac: [u8; 6], dst_mac: [u8; 6], ether_type: EtherType, parts: &[&[u8]]) -> Vec<u8> {
+    let header = Ethernet2Header { source: src_mac, destination: dst_mac, ether_type };
+    [&header.to_bytes()[..]].into_iter().chain(parts.iter().copied()).collect::<Vec<_>>().concat()
 }
 
 /// An ICMP error from `src` to `dst` (`icmp_type`/`code`, `rest` the header's last 4 bytes, e.g.
@@ -161,59 +171,27 @@ pub fn set_l4_checksum(segment: &mut [u8], csum_at: usize, csum: u16, proto: u8)
 /// Ethernet frame `about`, as a router sends it.
 pub fn icmp_error(src: Ipv4Addr, dst: Ipv4Addr, icmp_type: u8, code: u8, rest: [u8; 4], about: &[u8]) -> Vec<u8> {
     let quote = &about[ETH_HLEN..ETH_HLEN + 28];
-    let mut icmp = vec![icmp_type, code, 0, 0];
-    icmp.extend_from_slice(&rest);
-    icmp.extend_from_slice(quote);
-    let csum = checksum(&[&icmp]);
-    icmp[2..4].copy_from_slice(&csum.to_be_bytes());
-    let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0, 0, 64, IPPROTO_ICMP, 0, 0];
-    ip[2..4].copy_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
-    ip.extend_from_slice(&src.octets());
-    ip.extend_from_slice(&dst.octets());
-    let csum = checksum(&[&ip]);
-    ip[10..12].copy_from_slice(&csum.to_be_bytes());
-    let mut frame = Vec::new();
-    frame.extend_from_slice(&NODE_MAC);
-    frame.extend_from_slice(&CLIENT_MAC);
-    frame.extend_from_slice(&0x0800u16.to_be_bytes());
-    frame.extend_from_slice(&ip);
-    frame.extend_from_slice(&icmp);
-    frame
+    let icmp = Icmpv4Header::with_checksum(Icmpv4Type::Unknown { type_u8: icmp_type, code_u8: code, bytes5to8: rest }, quote);
+    let icmp = [&icmp.to_bytes()[..], quote].concat();
+    let mut ip = Ipv4Header::new(icmp.len() as u16, 64, IpNumber::ICMP, src.octets(), dst.octets()).expect("fits");
+    ip.dont_fragment = false;
+    ip.header_checksum = ip.calc_header_checksum();
+    ethernet(CLIENT_MAC, NODE_MAC, EtherType::IPV4, &[&ip.to_bytes(), &icmp])
 }
 
 /// An ARP request (not IPv4: must pass every program untouched).
 pub fn arp_request(sender: Ipv4Addr, target: Ipv4Addr) -> Vec<u8> {
-    let mut frame = Vec::new();
-    frame.extend_from_slice(&[0xff; 6]);
-    frame.extend_from_slice(&CLIENT_MAC);
-    frame.extend_from_slice(&0x0806u16.to_be_bytes());
-    frame.extend_from_slice(&[0, 1, 0x08, 0, 6, 4, 0, 1]);
-    frame.extend_from_slice(&CLIENT_MAC);
-    frame.extend_from_slice(&sender.octets());
-    frame.extend_from_slice(&[0; 6]);
-    frame.extend_from_slice(&target.octets());
+    let arp = [&[0, 1, 0x08, 0, 6, 4, 0, 1][..], &CLIENT_MAC, &sender.octets(), &[0; 6], &target.octets()].concat();
+    ethernet(CLIENT_MAC, [0xff; 6], EtherType::ARP, &[&arp])
+}
+
+/// `frame` (Ethernet + IPv4) with its IPv4 header checksum computed again (after a test
+/// changed the header).
+pub fn with_ipv4_checksum(mut frame: Vec<u8>) -> Vec<u8> {
+    let header = Ipv4HeaderSlice::from_slice(&frame[ETH_HLEN..]).expect("an IPv4 header").to_header();
+    let checksum = header.calc_header_checksum();
+    frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&checksum.to_be_bytes());
     frame
-}
-
-/// The Internet checksum of the concatenated parts.
-pub fn checksum(parts: &[&[u8]]) -> u16 {
-    let bytes: Vec<u8> = parts.concat();
-    let mut sum: u32 = bytes.chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-/// TCP/UDP checksum with the IPv4 pseudo-header; 0 when `segment` (checksum field included)
-/// is correct.
-pub fn l4_checksum(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, segment: &[u8]) -> u16 {
-    let mut pseudo = Vec::with_capacity(12);
-    pseudo.extend_from_slice(&src.octets());
-    pseudo.extend_from_slice(&dst.octets());
-    pseudo.extend_from_slice(&[0, proto]);
-    pseudo.extend_from_slice(&(segment.len() as u16).to_be_bytes());
-    checksum(&[&pseudo, segment])
 }
 
 /// The IPv4 header and L4 segment of a frame, with their checksums verified.
@@ -235,25 +213,51 @@ pub fn read_ipv4(frame: &[u8]) -> Option<Ipv4View> {
     if frame.len() < ETH_HLEN + 20 || frame[12..14] != [0x08, 0x00] {
         return None;
     }
-    let ip = &frame[ETH_HLEN..];
-    let ip_hlen = usize::from(ip[0] & 0x0f) * 4;
-    let tot_len = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
-    let header = ip.get(..ip_hlen)?;
-    let l4 = ip.get(ip_hlen..tot_len)?.to_vec();
-    let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
-    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
-    let proto = ip[9];
-    let csum_at = match proto {
-        IPPROTO_TCP => Some(16),
-        IPPROTO_UDP => Some(6),
+    let header = Ipv4HeaderSlice::from_slice(&frame[ETH_HLEN..]).ok()?;
+    let ip_hlen = header.slice().len();
+    let l4 = frame.get(ETH_HLEN + ip_hlen..ETH_HLEN + usize::from(header.total_len()))?.to_vec();
+    let (src, dst, proto) = (header.source_addr(), header.destination_addr(), header.protocol().0);
+    let ip_checksum_ok = header.to_header().calc_header_checksum() == header.header_checksum();
+    let l4_checksum_zero = proto == IPPROTO_UDP && l4.get(6..8) == Some(&[0, 0]);
+    let l4_checksum_ok = l4_checksum_zero || l4_checksum_verifies(&l4, proto, Checksum::Ipv4(src.octets(), dst.octets()));
+    Some(Ipv4View { src, dst, proto, ip_checksum_ok, l4_checksum_ok, l4_checksum_zero, l4 })
+}
+
+/// Whether the TCP, UDP or ICMP(v6) checksum of `l4` verifies (false for other protocols and
+/// for data that is not a whole segment).
+pub fn l4_checksum_verifies(l4: &[u8], proto: u8, addresses: Checksum) -> bool {
+    let verified = match proto {
+        IPPROTO_TCP => TcpHeaderSlice::from_slice(l4).ok().and_then(|tcp| {
+            let (header, payload) = (tcp.to_header(), &l4[tcp.slice().len()..]);
+            let computed = match addresses {
+                Checksum::Ipv4(src, dst) => header.calc_checksum_ipv4_raw(src, dst, payload).ok(),
+                Checksum::Ipv6(src, dst) => header.calc_checksum_ipv6_raw(src, dst, payload).ok(),
+                Checksum::None => None,
+            };
+            Some(computed? == header.checksum)
+        }),
+        IPPROTO_UDP => UdpHeaderSlice::from_slice(l4).ok().and_then(|udp| {
+            let (header, payload) = (udp.to_header(), &l4[UdpHeader::LEN..]);
+            let computed = match addresses {
+                Checksum::Ipv4(src, dst) => header.calc_checksum_ipv4_raw(src, dst, payload).ok(),
+                Checksum::Ipv6(src, dst) => header.calc_checksum_ipv6_raw(src, dst, payload).ok(),
+                Checksum::None => None,
+            };
+            Some(computed? == header.checksum)
+        }),
+        // The type, code and bytes 5-8 as they are (not decoded and encoded again).
+        IPPROTO_ICMP if l4.len() >= 8 => {
+            let icmp_type = Icmpv4Type::Unknown { type_u8: l4[0], code_u8: l4[1], bytes5to8: [l4[4], l4[5], l4[6], l4[7]] };
+            Some(icmp_type.calc_checksum(&l4[8..]) == u16::from_be_bytes([l4[2], l4[3]]))
+        }
+        crate::packet6::IPPROTO_ICMPV6 if l4.len() >= 8 => match addresses {
+            Checksum::Ipv6(src, dst) => {
+                let icmp_type = Icmpv6Type::Unknown { type_u8: l4[0], code_u8: l4[1], bytes5to8: [l4[4], l4[5], l4[6], l4[7]] };
+                icmp_type.calc_checksum(src, dst, &l4[8..]).ok().map(|computed| computed == u16::from_be_bytes([l4[2], l4[3]]))
+            }
+            _ => None,
+        },
         _ => None,
     };
-    let l4_checksum_zero = proto == IPPROTO_UDP && l4.get(6..8) == Some(&[0, 0]);
-    let l4_checksum_ok = match (proto, csum_at) {
-        (_, Some(_)) if l4_checksum_zero => true,
-        (IPPROTO_ICMP, _) => checksum(&[&l4]) == 0,
-        (_, Some(_)) => l4_checksum(src, dst, proto, &l4) == 0,
-        _ => false,
-    };
-    Some(Ipv4View { src, dst, proto, ip_checksum_ok: checksum(&[header]) == 0, l4_checksum_ok, l4_checksum_zero, l4 })
+    verified.unwrap_or(false)
 }

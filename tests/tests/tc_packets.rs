@@ -279,10 +279,7 @@ fn single_packet_cases() {
 /// nothing else: what a translated later fragment (no L4 header) must look like.
 fn with_ip_daddr(mut frame: Vec<u8>, daddr: Ipv4Addr) -> Vec<u8> {
     frame[ETH_HLEN + 16..ETH_HLEN + 20].copy_from_slice(&daddr.octets());
-    frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&[0, 0]);
-    let csum = e2e::packet::checksum(&[&frame[ETH_HLEN..ETH_HLEN + 20]]);
-    frame[ETH_HLEN + 10..ETH_HLEN + 12].copy_from_slice(&csum.to_be_bytes());
-    frame
+    e2e::packet::with_ipv4_checksum(frame)
 }
 
 #[test]
