@@ -31,7 +31,7 @@ use endpoints::{categorize, Categorized, NodeView, ServiceEndpoints};
 #[cfg(test)]
 pub use incremental::group;
 pub use incremental::{service_key, slice_service_key, Changes, Incremental, ServiceKey, ServiceObjects};
-pub use service::{PortInfo, ServiceInfo, ServiceType};
+pub use service::{default_namespace, PortInfo, ServiceInfo, ServiceType};
 pub use slice::{EndpointAddress, Slice};
 pub use rejection::{
     AddressField, Conflict, FamilyMissingOn, InvalidAddress, InvalidPort, Malformed, ObjectKind, RejectReason, RejectedObject,

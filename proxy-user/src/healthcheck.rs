@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::agent::error_chain;
-use crate::desired::{ClusterState, EndpointAddress, ServiceInfo, ServiceType};
+use crate::desired::{default_namespace, ClusterState, EndpointAddress, ServiceInfo, ServiceType};
 use crate::http::{self, Response};
 
 /// How far the datapath is behind the API: the age of the oldest change the source delivered
@@ -129,15 +129,6 @@ pub fn health_checks(
             )
         })
         .collect()
-}
-
-/// An object's namespace as the API names it (`default` when the manifest left it out).
-fn default_namespace(namespace: &str) -> &str {
-    if namespace.is_empty() {
-        "default"
-    } else {
-        namespace
-    }
 }
 
 fn health_check_port(service: &ServiceInfo) -> Option<u16> {

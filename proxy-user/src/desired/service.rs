@@ -131,8 +131,12 @@ impl ServiceInfo {
 
 /// (namespace, name) of an object as kept, the namespace `default` when it names none.
 pub(super) fn object_name(namespace: &str, name: &str) -> (String, String) {
-    let namespace = if namespace.is_empty() { "default" } else { namespace };
-    (namespace.to_owned(), name.to_owned())
+    (default_namespace(namespace).to_owned(), name.to_owned())
+}
+
+/// An object's namespace as the API names it (`default` when the manifest left it out).
+pub fn default_namespace(namespace: &str) -> &str {
+    if namespace.is_empty() { "default" } else { namespace }
 }
 
 /// Strings without spare capacity, in a list without spare capacity.
