@@ -109,9 +109,9 @@ fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
 fn twenty_thousand_sequential_connections_at_1000_per_second_through_a_snated_node_port_all_succeed() {
     let env = far(&[]);
     let load = env.load("tcp", 1, 20_000, 1000);
-    assert_eq!((load.ok, load.failed), (20_000, 0), "{load:?}");
-    assert_eq!(load.answered_by("far"), 20_000);
     let dump = env.dump();
+    assert_eq!((load.ok, load.failed), (20_000, 0), "{load:?} {:#}", dump["counters"]);
+    assert_eq!(load.answered_by("far"), 20_000);
     assert_no_drops(&dump);
     assert!(counter(&dump, "tc_snat") >= 20_000, "every connection was SNATed: {:#}", dump["counters"]);
     // Closed flows do not stay: once past their timeout the agent's garbage collection deletes
@@ -127,8 +127,9 @@ fn twenty_thousand_sequential_connections_at_1000_per_second_through_a_snated_no
 fn four_clients_of_3000_connections_at_250_per_second_each_all_succeed() {
     let env = far(&[]);
     let load = env.load("tcp", 4, 3000, 250);
-    assert_eq!((load.ok, load.failed), (12_000, 0), "{load:?}");
-    assert_no_drops(&env.dump());
+    let dump = env.dump();
+    assert_eq!((load.ok, load.failed), (12_000, 0), "{load:?} {:#}", dump["counters"]);
+    assert_no_drops(&dump);
 }
 
 #[test]

@@ -138,11 +138,17 @@ impl FlowMaps {
         // The flows that may be stale, each with the (reverse-NAT id, backend id) it points at:
         // usually few, and then the service map (at 30 000 Services, 660 000 entries) is not read.
         let udp = proxy_abi::IPPROTO_UDP;
-        let affinity_flows = flows(affinity, |k, v| Some((k.rev_nat_id, v.backend_id)));
-        let udp4 = flows(ct4, |k, v| (k.proto == udp).then_some((v.rev_nat_id, v.backend_id)));
-        let udp6 = flows(ct6, |k, v| (k.proto == udp).then_some((v.rev_nat_id, v.backend_id)));
-        let sock_flows4 = flows(sock4, |_, v| Some((v.rev_nat_id, v.backend_id)));
-        let sock_flows6 = flows(sock6, |_, v| Some((v.rev_nat_id, v.backend_id)));
+        let affinity_pair = |k: &AffinityKey4, v: &AffinityValue4| Some((k.rev_nat_id, v.backend_id));
+        let udp_pair4 = |k: &CtKey4, v: &CtEntry4| (k.proto == udp).then_some((v.rev_nat_id, v.backend_id));
+        let udp_pair6 = |k: &CtKey6, v: &CtEntry6| (k.proto == udp).then_some((v.rev_nat_id, v.backend_id));
+        fn sock_pair<K>(_: &K, v: &SockFlow) -> Option<(RevNatId, BackendId)> {
+            Some((v.rev_nat_id, v.backend_id))
+        }
+        let affinity_flows = flows(affinity, affinity_pair);
+        let udp4 = flows(ct4, udp_pair4);
+        let udp6 = flows(ct6, udp_pair6);
+        let sock_flows4 = flows(sock4, sock_pair);
+        let sock_flows6 = flows(sock6, sock_pair);
         let pointed: HashSet<(RevNatId, BackendId)> = affinity_flows
             .iter()
             .map(|f| f.1)
@@ -156,9 +162,9 @@ impl FlowMaps {
         }
         let live = live_pairs(services, &pointed).map_err(DatapathError::ReadServices)?;
         Ok(PurgedFlows {
-            affinity: remove_stale(affinity, &affinity_flows, &live),
-            udp_conntrack: remove_stale(ct4, &udp4, &live) + remove_stale(ct6, &udp6, &live),
-            udp_sockets: remove_stale(sock4, &sock_flows4, &live) + remove_stale(sock6, &sock_flows6, &live),
+            affinity: remove_stale(affinity, &affinity_flows, &live, affinity_pair),
+            udp_conntrack: remove_stale(ct4, &udp4, &live, udp_pair4) + remove_stale(ct6, &udp6, &live, udp_pair6),
+            udp_sockets: remove_stale(sock4, &sock_flows4, &live, sock_pair) + remove_stale(sock6, &sock_flows6, &live, sock_pair),
         })
     }
 
@@ -244,13 +250,15 @@ fn flows<K: aya::Pod, V: aya::Pod>(
 }
 
 /// Removes the flows whose pair is not live; returns how many it removed (one the kernel
-/// evicted or expired meanwhile is not counted, and is fine either way).
+/// evicted or expired meanwhile is not counted, and is fine either way). A key the kernel gave
+/// to another flow since `flows` was read keeps it ([`take_if`]).
 fn remove_stale<K: aya::Pod, V: aya::Pod>(
     map: &mut HashMap<MapData, K, V>,
     flows: &[(K, (RevNatId, BackendId))],
     live: &HashSet<(RevNatId, BackendId)>,
+    pair: impl Fn(&K, &V) -> Option<(RevNatId, BackendId)>,
 ) -> usize {
-    flows.iter().filter(|(key, pair)| !live.contains(pair) && map.remove(key).is_ok()).count()
+    flows.iter().filter(|(key, read)| !live.contains(read) && take_if(map, key, |now| pair(key, now) == Some(*read))).count()
 }
 
 /// Which of `pointed`'s (reverse-NAT id, backend id) pairs the service map holds: a slot's
@@ -277,9 +285,154 @@ fn live_pairs(maps: &KernelMaps, pointed: &HashSet<(RevNatId, BackendId)>) -> Re
 }
 
 /// Removes the entries `stale` picks from a live map: (entries looked at, entries removed). An
-/// entry the kernel evicted or expired meanwhile is not counted, and is fine either way.
+/// entry the kernel evicted or expired meanwhile is not counted, and is fine either way; one it
+/// replaced meanwhile is judged again ([`take_if`]).
 fn remove_where_counting<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, stale: impl Fn(&K, &V) -> bool) -> (usize, usize) {
     let mut scanned = 0;
     let keys: Vec<K> = map.iter().filter_map(Result::ok).inspect(|_| scanned += 1).filter(|(k, v)| stale(k, v)).map(|(k, _)| k).collect();
-    (scanned, keys.iter().filter(|key| map.remove(key).is_ok()).count())
+    (scanned, remove_if_still(map, &keys, stale))
+}
+
+/// Removes each of `keys` whose entry `stale` still picks when it is removed: the second half of
+/// a scan-then-remove over a map the kernel writes meanwhile. How many it removed.
+fn remove_if_still<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, keys: &[K], stale: impl Fn(&K, &V) -> bool) -> usize {
+    keys.iter().filter(|key| take_if(map, key, |value| stale(key, value))).count()
+}
+
+/// Removes `key` if its entry is still one `stale` picks, and says whether it did. Between a
+/// scan and its removals the kernel may give a key to a new flow: a client port used again, an
+/// expired reply entry whose SNAT port a new connection claimed (`ct::claim` deletes the old
+/// holder and inserts its own). Removing that key blindly deletes the new flow's entry, and the
+/// connection hangs until it times out (the backend's SYN-ACK finds no reply entry): one
+/// connection in 20 000 in the load test. So the entry is read and deleted in one step
+/// (`BPF_MAP_LOOKUP_AND_DELETE_ELEM`), and what turns out not to be stale is put back unless the
+/// kernel wrote the key again in that instant (`BPF_NOEXIST`: its entry is newer).
+fn take_if<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, key: &K, stale: impl Fn(&V) -> bool) -> bool {
+    use aya::maps::IterableMap;
+    use std::os::fd::AsFd;
+    let taken = match lookup_and_delete::<K, V>(map.map().fd().as_fd(), key) {
+        Ok(Some(value)) => value,
+        Ok(None) => return false,
+        // A kernel without the command for hash maps (before 5.14): look, then remove.
+        Err(_) => return map.get(key, 0).is_ok_and(|value| stale(&value)) && map.remove(key).is_ok(),
+    };
+    if stale(&taken) {
+        return true;
+    }
+    let _ = map.insert(key, taken, super::BPF_NOEXIST);
+    false
+}
+
+/// `bpf(BPF_MAP_LOOKUP_AND_DELETE_ELEM)` on a hash map: the entry at `key`, deleted; None when
+/// there is none. (aya 0.14 has the command for queues and stacks only.)
+fn lookup_and_delete<K: aya::Pod, V: aya::Pod>(map: std::os::fd::BorrowedFd<'_>, key: &K) -> io::Result<Option<V>> {
+    use std::os::fd::AsRawFd;
+    const BPF_MAP_LOOKUP_AND_DELETE_ELEM: libc::c_long = 21;
+    #[repr(C)]
+    struct MapElemAttr {
+        map_fd: u32,
+        pad: u32,
+        key: u64,
+        value: u64,
+        flags: u64,
+    }
+    let mut value = std::mem::MaybeUninit::<V>::uninit();
+    let attr =
+        MapElemAttr { map_fd: map.as_raw_fd() as u32, pad: 0, key: key as *const K as u64, value: value.as_mut_ptr() as u64, flags: 0 };
+    // SAFETY: attr is a valid, fully initialised bpf_attr prefix for the command; the kernel reads
+    // the key's size from `key` and writes one value (the map's value size, V's) to `value`.
+    let rc = unsafe {
+        libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_AND_DELETE_ELEM, &attr as *const MapElemAttr, std::mem::size_of::<MapElemAttr>())
+    };
+    if rc < 0 {
+        let error = io::Error::last_os_error();
+        return if error.raw_os_error() == Some(libc::ENOENT) { Ok(None) } else { Err(error) };
+    }
+    // SAFETY: the call succeeded, so the kernel wrote the whole value; V is Pod.
+    Ok(Some(unsafe { value.assume_init() }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proxy_abi::{ct, CtState, IPPROTO_TCP, IPPROTO_UDP};
+
+    /// A standalone kernel hash map (needs root), as the pinned flow tables are.
+    fn kernel_map<K: aya::Pod, V: aya::Pod>() -> HashMap<MapData, K, V> {
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(
+            unsafe { libc::geteuid() },
+            0,
+            "this test needs root (a kernel BPF map): run it as root, or leave it out with --skip kernel::flows"
+        );
+        HashMap::create(1024, 0).expect("creating a BPF hash map")
+    }
+
+    fn reply_key(port: u16) -> CtKey4 {
+        CtKey4 {
+            saddr_be: 0x0a00_0002u32.to_be(),
+            daddr_be: 0x0a00_0001u32.to_be(),
+            sport_be: 80u16.to_be(),
+            dport_be: port.to_be(),
+            proto: IPPROTO_TCP,
+            dir: ct::DIR_REPLY,
+            pad: [0; 2],
+        }
+    }
+
+    fn flow(last_seen_ns: u64, backend_id: u32) -> CtEntry4 {
+        CtEntry4 { backend_id, rev_nat_id: 1, state: CtState { last_seen_ns, ..CtState::default() }, ..CtEntry4::default() }
+    }
+
+    /// The kernel reclaims an expired reply entry for a new connection (a new flow on the same
+    /// SNAT port) between the collector's scan and its removals: the new flow's entry stays, the
+    /// ones still expired go. (Removing every scanned key deleted the new flows' entries.)
+    #[test]
+    fn conntrack_collection_keeps_entries_the_kernel_replaced_after_the_scan() {
+        let mut map = kernel_map::<CtKey4, CtEntry4>();
+        for port in 0..100 {
+            map.insert(reply_key(40_000 + port), flow(1, 7), 0).unwrap();
+        }
+        let now = crate::dump::monotonic_now_ns();
+        let stale = |k: &CtKey4, v: &CtEntry4| ct::is_expired(&v.state, k.proto, now);
+        let scanned: Vec<CtKey4> = map.iter().filter_map(Result::ok).filter(|(k, v)| stale(k, v)).map(|(k, _)| k).collect();
+        assert_eq!(scanned.len(), 100, "every entry is past its timeout");
+        for port in (0..100).step_by(2) {
+            map.insert(reply_key(40_000 + port), flow(now, 8), 0).unwrap();
+        }
+        assert_eq!(remove_if_still(&mut map, &scanned, stale), 50);
+        let mut left: Vec<(u16, u32)> =
+            map.iter().filter_map(Result::ok).map(|(k, v)| (u16::from_be(k.dport_be) - 40_000, v.backend_id)).collect();
+        left.sort();
+        assert_eq!(left, (0..100).step_by(2).map(|port| (port, 8)).collect::<Vec<_>>(), "the new flows' entries, untouched");
+    }
+
+    /// The purge of flows to a removed backend spares a key the kernel gave to a flow to a live
+    /// backend after the purge read the map.
+    #[test]
+    fn the_purge_keeps_a_flow_that_moved_to_a_live_backend_after_the_read() {
+        let mut map = kernel_map::<CtKey4, CtEntry4>();
+        let udp = |port| CtKey4 { proto: IPPROTO_UDP, dir: ct::DIR_FORWARD, ..reply_key(port) };
+        map.insert(udp(1), flow(1, 7), 0).unwrap();
+        map.insert(udp(2), flow(1, 7), 0).unwrap();
+        let pair = |_: &CtKey4, v: &CtEntry4| Some((v.rev_nat_id, v.backend_id));
+        let read = flows(&map, pair);
+        map.insert(udp(2), flow(1, 8), 0).unwrap();
+        let live: HashSet<(RevNatId, BackendId)> = [(1, 8)].into_iter().collect();
+        assert_eq!(remove_stale(&mut map, &read, &live, pair), 1);
+        let left: Vec<(u16, u32)> = map.iter().filter_map(Result::ok).map(|(k, v)| (u16::from_be(k.dport_be), v.backend_id)).collect();
+        assert_eq!(left, vec![(2, 8)]);
+    }
+
+    /// What the removal takes is judged on the entry it took: a fresh one goes back.
+    #[test]
+    fn take_if_puts_back_what_is_not_stale() {
+        let mut map = kernel_map::<CtKey4, CtEntry4>();
+        map.insert(reply_key(1), flow(5, 7), 0).unwrap();
+        assert!(!take_if(&mut map, &reply_key(1), |v| v.backend_id == 8));
+        assert_eq!(map.get(&reply_key(1), 0).unwrap(), flow(5, 7));
+        assert!(take_if(&mut map, &reply_key(1), |v| v.backend_id == 7));
+        assert!(map.get(&reply_key(1), 0).is_err());
+        assert!(!take_if(&mut map, &reply_key(1), |_| true), "nothing to take");
+    }
 }
