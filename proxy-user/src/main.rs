@@ -296,6 +296,10 @@ fn main() -> anyhow::Result<()> {
             if args.cgroup.is_none() {
                 args.cgroup = Some(cgroup2_root()?);
             }
+            // The agent's loop is the future `block_on` polls on this (the main) thread, which
+            // is none of the runtime's workers: the sync's blocking map syscalls never hold up
+            // the tasks on the workers (the watches, /metrics, /healthz, health checks). The
+            // jobs that scan flow tables go to the blocking pool (`spawn_blocking`).
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
