@@ -13,18 +13,31 @@ use crate::maps::count;
 use crate::packet::RewriteFailed;
 use crate::route::NoRoute;
 
+/// Set in the build `cargo xtask bench` compares the shipped one with (`EPX_EBPF_NO_LOG`): the
+/// same programs without the log calls, so the benchmark shows what logging costs per packet.
+const NO_LOG: bool = option_env!("EPX_EBPF_NO_LOG").is_some();
+
+/// aya-log's `warn!`, left out of the [`NO_LOG`] build.
+macro_rules! log {
+    ($($arg:tt)*) => {
+        if !NO_LOG {
+            warn!($($arg)*);
+        }
+    };
+}
+
 /// A rewrite or checksum helper failed: the packet is dropped rather than sent half-rewritten.
 #[inline(never)]
 pub fn rewrite(ctx: &TcContext, failed: RewriteFailed) {
     count(stat::TC_REWRITE_FAIL);
-    warn!(ctx, "packet rewrite failed (helper returned {}): dropped", failed.0);
+    log!(ctx, "packet rewrite failed (helper returned {}): dropped", failed.0);
 }
 
 /// The route lookup or redirect of a packet the program forwards itself failed: dropped.
 #[inline(never)]
 pub fn route(ctx: &TcContext, failed: NoRoute) {
     count(stat::TC_FIB_FAIL);
-    warn!(ctx, "route lookup or redirect failed (returned {}): dropped", failed.0);
+    log!(ctx, "route lookup or redirect failed (returned {}): dropped", failed.0);
 }
 
 /// A packet the program must send on itself is larger than the next link's MTU and no ICMP
@@ -33,14 +46,14 @@ pub fn route(ctx: &TcContext, failed: NoRoute) {
 #[inline(never)]
 pub fn too_big(ctx: &TcContext, len: u32, mtu: u16) {
     count(stat::TC_TOO_BIG_DROP);
-    warn!(ctx, "a {}-byte frame does not fit the next link's MTU {} and cannot be answered with an ICMP error: dropped", len, mtu);
+    log!(ctx, "a {}-byte frame does not fit the next link's MTU {} and cannot be answered with an ICMP error: dropped", len, mtu);
 }
 
 /// Every SNAT source port of the range is held by a live flow to this backend: dropped.
 #[inline(never)]
 pub fn no_snat_port(ctx: &TcContext, backend_port_be: u16) {
     count(stat::TC_SNAT_NO_PORT);
-    warn!(
+    log!(
         ctx,
         "no free SNAT port in the range for a new flow to backend port {}: dropped (widen --snat-port-range)",
         u16::from_be(backend_port_be)
@@ -53,12 +66,12 @@ pub fn no_snat_port(ctx: &TcContext, backend_port_be: u16) {
 pub fn map_insert(counter: u32, map: &str, rc: i32) {
     count(counter);
     // aya-log's first argument (a context) is not used by this version; these callers have none.
-    warn!(&(), "insert into {} failed (returned {})", map, rc);
+    log!(&(), "insert into {} failed (returned {})", map, rc);
 }
 
 /// The conntrack entries of a new flow could not be inserted (the packet is still translated).
 #[inline(never)]
 pub fn conntrack_insert(ctx: &TcContext) {
     count(stat::TC_CT_RECORD_FAIL);
-    warn!(ctx, "conntrack insert failed: the flow is translated but not tracked");
+    log!(ctx, "conntrack insert failed: the flow is translated but not tracked");
 }

@@ -7,7 +7,8 @@
 
 use std::fs;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::Context;
 use aya::maps::{HashMap, MapData, PerCpuArray};
@@ -50,10 +51,16 @@ pub struct TcPrograms {
 
 impl TcPrograms {
     pub fn load() -> anyhow::Result<Self> {
+        Self::load_object(&ebpf_object())
+    }
+
+    /// [`TcPrograms::load`] of another build of the programs (e.g. the benchmark's build
+    /// without logging).
+    pub fn load_object(path: &Path) -> anyhow::Result<Self> {
         crate::require_root();
         let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}-{}-pkt", crate::PREFIX, crate::unique_id()));
         fs::create_dir_all(&pin_dir).with_context(|| format!("creating {}", pin_dir.display()))?;
-        let object = fs::read(ebpf_object())?;
+        let object = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
         let loaded = EbpfLoader::new()
             .default_map_pin_directory(&pin_dir)
             .map_max_entries(map_name::SERVICES4, 1024)
@@ -93,6 +100,16 @@ impl TcPrograms {
             .context("BPF_PROG_TEST_RUN")?;
         out.truncate(result.data_size_out as usize);
         Ok(Outcome { verdict: result.return_value, frame: out })
+    }
+
+    /// Runs `program` on `frame` `repeat` times in a row in the kernel: the last verdict and the
+    /// mean time of one run as the kernel measured it (`BPF_PROG_TEST_RUN`'s duration, which
+    /// leaves out the system call).
+    pub fn time(&self, program: &str, frame: &[u8], repeat: u32) -> anyhow::Result<(u32, Duration)> {
+        let program: &SchedClassifier = self.ebpf.program(program).context("no such program")?.try_into()?;
+        let result =
+            program.test_run(TestRunOptions { data_in: Some(frame), repeat, ..Default::default() }).context("BPF_PROG_TEST_RUN")?;
+        Ok((result.return_value, result.duration))
     }
 
     fn hash<K: aya::Pod, V: aya::Pod>(&mut self, name: &str) -> anyhow::Result<HashMap<&mut MapData, K, V>> {
@@ -213,4 +230,30 @@ pub fn words6(ip: &Ipv6Addr) -> [u32; 4] {
 /// An address as the maps hold it (network byte order in memory).
 pub fn be_addr(addr: &SocketAddrV4) -> u32 {
     u32::from_ne_bytes(addr.ip().octets())
+}
+
+/// The source MAC of frames the programs send on to "the other node" of [`routed_netns`], and
+/// that node's MAC (their destination).
+pub const NODE_LINK_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x0a];
+pub const OTHER_NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x0b];
+
+/// A namespace with known routing, for the packets the programs route themselves: a link
+/// 192.168.250.1/24 (MAC 02:..:0a) to "the other node" 192.168.250.2 (MAC 02:..:0b, a permanent
+/// neighbour), which is the next hop for that node's pods (10.244.2.0/24) and, here, for the
+/// client's network too (192.168.240.0/24). Nothing else is routed.
+pub fn routed_netns() -> anyhow::Result<crate::topology::Netns> {
+    let ns = crate::topology::Netns::create(&format!("{}-{}-fib", crate::PREFIX, crate::unique_id()))?;
+    for cmd in [
+        "ip link add epxa address 02:00:00:00:00:0a type veth peer name epxb",
+        "ip addr add 192.168.250.1/24 dev epxa",
+        "ip link set epxa up",
+        "ip link set epxb up",
+        "ip neigh replace 192.168.250.2 lladdr 02:00:00:00:00:0b dev epxa nud permanent",
+        "ip route add 10.244.2.0/24 via 192.168.250.2",
+        "ip route add 192.168.240.0/24 via 192.168.250.2",
+        "sysctl -qw net.ipv4.ip_forward=1",
+    ] {
+        ns.exec(&cmd.split(' ').collect::<Vec<_>>()).with_context(|| cmd.to_owned())?;
+    }
+    Ok(ns)
 }

@@ -6,12 +6,14 @@
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
-use e2e::bpf_test_run::{be_addr, TcPrograms, EGRESS, INGRESS, TC_ACT_OK, TC_ACT_REDIRECT};
+use e2e::bpf_test_run::{
+    be_addr, routed_netns, TcPrograms, EGRESS, INGRESS, NODE_LINK_MAC, OTHER_NODE_MAC, TC_ACT_OK, TC_ACT_REDIRECT,
+};
 use e2e::packet::{
     arp_request, icmp_error, read_ipv4, Frame, L4, CLIENT_MAC, ETH_HLEN, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP,
     NODE_MAC, TCP_ACK, TCP_FIN, TCP_SYN,
 };
-use e2e::topology::{in_netns, Netns};
+use e2e::topology::in_netns;
 use proxy_abi::{backend_flags, ct, maglev, svc_flags};
 
 const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(192, 168, 240, 2), 40000);
@@ -450,33 +452,9 @@ fn a_udp_flow_moves_when_its_backend_is_removed() {
 }
 
 const REMOTE_BACKEND: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 10), 8080);
-const NODE_LINK_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x0a];
-const OTHER_NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x0b];
-
-/// A namespace with known routing, for the packets the programs route themselves: a link
-/// 192.168.250.1/24 (MAC 02:..:0a) to "the other node" 192.168.250.2 (MAC 02:..:0b, a permanent
-/// neighbour), which is the next hop for that node's pods (10.244.2.0/24) and, here, for the
-/// client's network too.
-fn routed_netns() -> Netns {
-    let ns = Netns::create(&format!("{}-{}-fib", e2e::PREFIX, e2e::unique_id())).expect("netns");
-    for cmd in [
-        "ip link add epxa address 02:00:00:00:00:0a type veth peer name epxb",
-        "ip addr add 192.168.250.1/24 dev epxa",
-        "ip link set epxa up",
-        "ip link set epxb up",
-        "ip neigh replace 192.168.250.2 lladdr 02:00:00:00:00:0b dev epxa nud permanent",
-        "ip route add 10.244.2.0/24 via 192.168.250.2",
-        "ip route add 192.168.240.0/24 via 192.168.250.2",
-        "sysctl -qw net.ipv4.ip_forward=1",
-    ] {
-        ns.exec(&cmd.split(' ').collect::<Vec<_>>()).expect(cmd);
-    }
-    ns
-}
-
 #[test]
 fn a_nodeport_flow_to_a_backend_on_another_node_is_snated_and_its_replies_return() {
-    let ns = routed_netns();
+    let ns = routed_netns().expect("routed namespace");
     in_netns(&ns.path(), || {
         let mut programs = TcPrograms::load().unwrap();
         programs.put_frontend(NODE_PORT, IPPROTO_TCP, 7, svc_flags::NODE_PORT, &[(1, REMOTE_BACKEND, 0)]).unwrap();

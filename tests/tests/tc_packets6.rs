@@ -3,7 +3,7 @@
 
 use std::net::{Ipv6Addr, SocketAddrV6};
 
-use e2e::bpf_test_run::{TcPrograms, EGRESS, INGRESS, TC_ACT_OK, TC_ACT_REDIRECT};
+use e2e::bpf_test_run::{TcPrograms, EGRESS, INGRESS, NODE_LINK_MAC, OTHER_NODE_MAC, TC_ACT_OK, TC_ACT_REDIRECT};
 use e2e::packet::{IPPROTO_TCP, IPPROTO_UDP, TCP_ACK, TCP_SYN};
 use e2e::packet6::{icmp6_error, neighbour_solicitation, read_ipv6, Ext, Frame6, IPPROTO_ICMPV6};
 use e2e::topology::{in_netns, Netns};
@@ -164,10 +164,8 @@ fn an_ipv6_maglev_frontend_sends_each_flow_to_the_backend_its_table_names() {
 fn remote_backend() -> SocketAddrV6 {
     addr("fd00:10:244:2::10", 8080)
 }
-const NODE_LINK_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x0a];
-const OTHER_NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x0b];
 
-/// As `tc_packets.rs`'s `routed_netns`, for IPv6: a link fd00:192:168:250::1/64 (MAC 02:..:0a)
+/// As `bpf_test_run::routed_netns`, for IPv6: a link fd00:192:168:250::1/64 (MAC 02:..:0a)
 /// to "the other node" fd00:192:168:250::2 (MAC 02:..:0b, a permanent neighbour), the next hop
 /// for that node's pods (fd00:10:244:2::/64) and, here, for the client's network too.
 fn routed_netns6() -> Netns {

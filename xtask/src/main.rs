@@ -141,6 +141,12 @@ pub fn upgrade_object() -> PathBuf {
     workspace_root().join("target/bpf/proxy-ebpf-upgrade.o")
 }
 
+/// The same programs without aya-log's calls (`EPX_EBPF_NO_LOG`), which the benchmark compares
+/// per packet with the shipped build.
+pub fn no_log_object() -> PathBuf {
+    workspace_root().join("target/bpf/proxy-ebpf-no-log.o")
+}
+
 fn build() -> anyhow::Result<()> {
     setup::ensure_build_tools()?;
     let root = workspace_root();
@@ -166,7 +172,9 @@ fn build() -> anyhow::Result<()> {
     // (`EPX_EBPF_VARIANT`, see proxy-ebpf). Only the proxy-ebpf crate rebuilds, not core.
     run(cargo.env("EPX_EBPF_VARIANT", "upgrade-test"))?;
     std::fs::copy(ebpf_object(), upgrade_object())?;
-    run(cargo.env_remove("EPX_EBPF_VARIANT"))?;
+    run(cargo.env_remove("EPX_EBPF_VARIANT").env("EPX_EBPF_NO_LOG", "1"))?;
+    std::fs::copy(ebpf_object(), no_log_object())?;
+    run(cargo.env_remove("EPX_EBPF_NO_LOG"))?;
 
     step("building ebpf-proxy and the test tools (release)");
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))

@@ -11,6 +11,7 @@
 //! then each proxy is cold-started alone and timed until the newest Service answers, then the
 //! data-path windows run, the contenders taking turns. See `report.rs` for what is written.
 
+mod packet_cost;
 mod report;
 
 use std::path::{Path, PathBuf};
@@ -335,7 +336,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     // Steps: per N, the Services, 3 cold starts and rounds × 4 contenders × windows.
     let contenders = Contender::selected(options.contenders.as_deref())?;
     let proxies = contenders.len() - 1;
-    let mut progress = Progress { started, done: 0, total: 2 + scales.len() * (2 + proxies + rounds as usize * contenders.len()) };
+    let mut progress = Progress { started, done: 0, total: 3 + scales.len() * (2 + proxies + rounds as usize * contenders.len()) };
     if options.contenders.is_some() {
         report.run.contenders = contenders.iter().map(|c| c.name().to_owned()).collect();
     }
@@ -367,6 +368,12 @@ struct Plan {
 fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow::Result<()> {
     let Plan { scales, window, rounds, changes, cold_start_limit, contenders } = plan;
     let (window, rounds, changes) = (*window, *rounds, *changes);
+    progress.step("per-packet cost of the TC ingress program (BPF_PROG_TEST_RUN), with and without log calls");
+    report.packet_costs = packet_cost::measure().context("measuring the per-packet cost")?;
+    for (case, title, _) in packet_cost::CASES {
+        let ns = |build| report.packet_cost(case, build).unwrap_or(f64::NAN);
+        eprintln!("    {title}: {:.0} ns (without log calls {:.0} ns)", ns("shipped"), ns("no-log"));
+    }
     progress.step("starting etcd and kube-apiserver");
     let mut cp_topo = Topology::new()?;
     let api = ControlPlane::start(&mut cp_topo)?;

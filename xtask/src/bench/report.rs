@@ -61,6 +61,20 @@ pub struct Dropped {
 pub struct Report {
     pub run: Run,
     pub figures: Vec<Figure>,
+    /// Per-packet cost of the TC ingress program, per path and build (`packet_cost.rs`).
+    #[serde(default)]
+    pub packet_costs: Vec<PacketCost>,
+}
+
+/// One path's time per packet in one build of the programs: the median of its rounds.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PacketCost {
+    /// One of `packet_cost::CASES`.
+    pub case: String,
+    /// `shipped` or `no-log`.
+    pub build: String,
+    pub ns: f64,
+    pub samples: Vec<f64>,
 }
 
 /// A metric the report shows: key, title, unit, whether more is better, who has it.
@@ -106,6 +120,10 @@ const PLOTS: &[(&str, &str, &str, bool)] = &[
 ];
 
 impl Report {
+    pub fn packet_cost(&self, case: &str, build: &str) -> Option<f64> {
+        self.packet_costs.iter().find(|c| c.case == case && c.build == build).map(|c| c.ns)
+    }
+
     pub fn value(&self, n: usize, contender: &str, metric: &str) -> Option<f64> {
         self.figures.iter().find(|f| f.n == n && f.contender == contender && f.metric == metric).map(|f| f.value)
     }
@@ -126,6 +144,14 @@ impl Report {
                         Some(v) => missing.push(format!("N={n} {contender} {}: {v}", m.key)),
                         None => missing.push(format!("N={n} {contender} {}: absent", m.key)),
                     }
+                }
+            }
+        }
+        for (case, ..) in super::packet_cost::CASES {
+            for (build, _) in super::packet_cost::builds() {
+                match self.packet_cost(case, build) {
+                    Some(v) if v.is_finite() && v > 0.0 => {}
+                    other => missing.push(format!("packet cost {case} ({build} build): {other:?}")),
                 }
             }
         }
@@ -307,6 +333,7 @@ pub fn markdown(report: &Report) -> String {
         }
         let _ = writeln!(md);
     }
+    md.push_str(&packet_costs(report));
     let _ = writeln!(md, "## Failed operations\n");
     if run.failures.is_empty() {
         let _ = writeln!(md, "None: every connection and request of every window was answered.");
@@ -326,6 +353,38 @@ pub fn markdown(report: &Report) -> String {
     md.push_str(NOT_YET);
     md
 }
+
+/// The per-packet section: each path's time in the shipped build and in the build without log
+/// calls.
+fn packet_costs(report: &Report) -> String {
+    let mut out = String::from("## Per-packet cost of the TC ingress program\n\n");
+    out.push_str(PACKET_COST);
+    out.push_str("\n| Path | shipped build, ns/packet | without log calls, ns/packet | difference |\n|---|---:|---:|---:|\n");
+    for (case, title, _) in super::packet_cost::CASES {
+        let (shipped, no_log) = (report.packet_cost(case, "shipped"), report.packet_cost(case, "no-log"));
+        let cell = |v: Option<f64>| v.map(|v| format!("{v:.0}")).unwrap_or_else(|| "—".into());
+        let difference = match (shipped, no_log) {
+            (Some(a), Some(b)) if b > 0.0 => format!("{:+.0} ns ({:+.1} %)", a - b, (a / b - 1.0) * 100.0),
+            _ => "—".into(),
+        };
+        let _ = writeln!(out, "| {title} | {} | {} | {difference} |", cell(shipped), cell(no_log));
+    }
+    out.push('\n');
+    out
+}
+
+const PACKET_COST: &str = "\
+Measured in the kernel with `BPF_PROG_TEST_RUN` (the kernel's own timing of the program, without the system call): \
+`epx_tc_ingress` of the shipped build, and of the same programs built without aya-log's calls (`EPX_EBPF_NO_LOG`), each \
+loaded with maps of its own in a namespace with known routes, nothing attached. Each packet runs once and is timed alone \
+(the kernel's repeat mode would run the program again on the packet it already rewrote), so every figure includes the \
+same few tens of ns of the kernel's timer; per path and round, the median of 4 000 packets (established flows: the same \
+packet of a flow its SYN opened; new flows: 4 000 distinct SYNs). Each figure is the median of 7 rounds, the two builds \
+taking turns. The kernel logs only on failure paths \
+(`proxy-ebpf/src/failure.rs`): a packet that goes through never reaches a log call, so the two builds should differ by \
+no more than the noise on every path but the failure path. That one is timed twice: on programs loaded just before (the \
+first 500 failures, whose records fit the 128 KiB log ring), and after thousands more (nothing reads the ring here, so it \
+is full and each write fails at once, as in a flood the agent cannot keep up with).\n";
 
 /// The issue's targets, checked against this run's figures.
 fn targets(report: &Report) -> String {
