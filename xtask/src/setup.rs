@@ -30,6 +30,8 @@ const PACKAGES: &[&str] = &[
     // rate; the report's plots are drawn with DejaVu Sans.
     "nftables",
     "apache2-utils",
+    // The long-stream window.
+    "iperf3",
     "fonts-dejavu-core",
 ];
 

@@ -40,6 +40,14 @@ const BACKENDS: u8 = 10;
 const NODE_PORT: u16 = 30080;
 /// The Service the `ab` cross-check targets: HTTP on the backends' port 8081.
 const HTTP_VIP: &str = "10.96.200.1";
+/// The Service of the long-stream window: port 80 to iperf3 on be0 (10.244.1.11:5201).
+const IPERF_VIP: &str = "10.96.200.2";
+const IPERF_PORT: u16 = 5201;
+/// kube-proxy's network-programming histogram (ebpf-proxy exports it under this name too).
+const PROGRAMMING_METRIC_SUM: &str = "kubeproxy_network_programming_duration_seconds_sum";
+const PROGRAMMING_METRIC_COUNT: &str = "kubeproxy_network_programming_duration_seconds_count";
+/// Endpoint changes per second during the churn window.
+const CHURN_PER_SECOND: u32 = 10;
 const CLUSTER_CIDR: &str = "10.244.0.0/16";
 const NODEPORT_CIDR: &str = "192.168.240.0/24";
 /// The agent's `--node-name` (the test harness's default) and its Node object.
@@ -131,6 +139,7 @@ struct BenchNode {
     proxy: Proxy,
     _access: Option<Forwarder>,
     _servers: Vec<Server>,
+    _iperf: IperfServer,
     ext: ExternalClient,
     topo: Topology,
 }
@@ -147,9 +156,11 @@ impl BenchNode {
             topo.add_pod(&name, 11 + b)?;
             servers.push(probe::serve_ports(&topo, &name, &name, &[("--tcp", &[8080]), ("--http", &[8081])])?);
         }
+        let iperf = IperfServer::start(&topo, "be0")?;
         let ext = topo.add_external_client("ext")?;
         tune_client(&ext.netns)?;
-        let mut node = Self { contender, dropped_out: false, proxy: Proxy::None, _access: None, _servers: servers, ext, topo };
+        let mut node =
+            Self { contender, dropped_out: false, proxy: Proxy::None, _access: None, _servers: servers, _iperf: iperf, ext, topo };
         match contender {
             Contender::NoProxy => node.ext.route_via_node("10.244.1.0/24")?,
             Contender::Ebpf => {
@@ -246,8 +257,82 @@ impl BenchNode {
         }
     }
 
+    /// The proxy's `/metrics` text (both export kube-proxy's metric names).
+    fn metrics_text(&self) -> anyhow::Result<String> {
+        match &self.proxy {
+            Proxy::None => bail!("no proxy, no metrics"),
+            Proxy::Ebpf { agent, .. } => {
+                let (status, text) = agent.get(true, "/metrics")?;
+                anyhow::ensure!(status == 200, "ebpf-proxy /metrics answered {status}");
+                Ok(text)
+            }
+            Proxy::KubeProxy(proxy) => proxy.metrics(),
+        }
+    }
+
+    /// (sum in s, count) of the proxy's own `kubeproxy_network_programming_duration_seconds`,
+    /// over its series (kube-proxy labels them by `ip_family`); (0, 0) while it has none
+    /// (kube-proxy exports a series from its first observation).
+    fn programming_duration(&self) -> anyhow::Result<(f64, f64)> {
+        let text = self.metrics_text()?;
+        let sample = |name: &str| -> anyhow::Result<f64> {
+            let mut total = 0.0;
+            for line in text.lines().filter(|line| line.strip_prefix(name).is_some_and(|rest| rest.starts_with([' ', '{']))) {
+                let value = line.rsplit_once(' ').map_or("", |(_, value)| value);
+                total += value.parse::<f64>().with_context(|| format!("{}: {line:?} in /metrics", self.contender.name()))?;
+            }
+            Ok(total)
+        };
+        Ok((sample(PROGRAMMING_METRIC_SUM)?, sample(PROGRAMMING_METRIC_COUNT)?))
+    }
+
+    fn iperf_target(&self) -> (String, u16) {
+        match self.contender {
+            Contender::NoProxy => ("10.244.1.11".into(), IPERF_PORT),
+            _ => (IPERF_VIP.into(), 80),
+        }
+    }
+
     fn client_probe(&self) -> anyhow::Result<Command> {
         self.topo.command_in("client", &e2e::bin("epx-probe"))
+    }
+}
+
+/// `iperf3 -s` in a backend pod, for the long-stream window; killed on drop.
+struct IperfServer(std::process::Child);
+
+impl IperfServer {
+    /// Starts it and waits until it listens (its first line of output).
+    fn start(topo: &Topology, pod: &str) -> anyhow::Result<Self> {
+        use std::io::{BufRead, BufReader};
+        let mut child = topo
+            .command_in(pod, Path::new("/usr/bin/iperf3"))?
+            .args(["-s", "-p", &IPERF_PORT.to_string(), "--forceflush"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting iperf3 -s (Debian's iperf3; `cargo xtask setup` installs it)")?;
+        let mut line = String::new();
+        let stdout = child.stdout.take().context("iperf3's output")?;
+        let mut reader = BufReader::new(stdout);
+        while !line.contains("listening") {
+            line.clear();
+            if reader.read_line(&mut line)? == 0 {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("iperf3 -s in {pod} ended before it listened");
+            }
+        }
+        // Its later output is not read: it goes nowhere rather than filling a pipe.
+        std::thread::spawn(move || std::io::copy(&mut reader, &mut std::io::sink()));
+        Ok(Self(child))
+    }
+}
+
+impl Drop for IperfServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -320,6 +405,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     let window = options.window.unwrap_or(if options.quick { Duration::from_secs(1) } else { Duration::from_secs(5) });
     let rounds = options.rounds.unwrap_or(if options.quick { 1 } else { 3 });
     let changes = if options.quick { 3 } else { 20 };
+    let churn_time = Duration::from_secs(if options.quick { 5 } else { 60 });
     let started = Instant::now();
     let mut report = Report::default();
     report.run = report::Run {
@@ -336,11 +422,11 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     // Steps: per N, the Services, 3 cold starts and rounds × 4 contenders × windows.
     let contenders = Contender::selected(options.contenders.as_deref())?;
     let proxies = contenders.len() - 1;
-    let mut progress = Progress { started, done: 0, total: 3 + scales.len() * (2 + proxies + rounds as usize * contenders.len()) };
+    let mut progress = Progress { started, done: 0, total: 3 + scales.len() * (3 + proxies + rounds as usize * contenders.len()) };
     if options.contenders.is_some() {
         report.run.contenders = contenders.iter().map(|c| c.name().to_owned()).collect();
     }
-    let plan = Plan { scales, window, rounds, changes, cold_start_limit: options.cold_start_limit, contenders };
+    let plan = Plan { scales, window, rounds, changes, churn_time, cold_start_limit: options.cold_start_limit, contenders };
     let measured = measure(&plan, &mut report, &mut progress);
     report.run.duration_s = started.elapsed().as_secs_f64();
     if let Err(error) = &measured {
@@ -361,13 +447,14 @@ struct Plan {
     window: Duration,
     rounds: u32,
     changes: u32,
+    churn_time: Duration,
     cold_start_limit: Duration,
     contenders: Vec<Contender>,
 }
 
 fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow::Result<()> {
-    let Plan { scales, window, rounds, changes, cold_start_limit, contenders } = plan;
-    let (window, rounds, changes) = (*window, *rounds, *changes);
+    let Plan { scales, window, rounds, changes, churn_time, cold_start_limit, contenders } = plan;
+    let (window, rounds, changes, churn_time) = (*window, *rounds, *changes, *churn_time);
     progress.step("per-packet cost of the TC ingress program (BPF_PROG_TEST_RUN), with and without log calls");
     report.packet_costs = packet_cost::measure().context("measuring the per-packet cost")?;
     for (case, title, _) in packet_cost::CASES {
@@ -467,13 +554,22 @@ fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow:
 
         check_interrupted()?;
         progress.step(&format!("N={n}: {changes} endpoint removals, timed until no new connection reaches the endpoint"));
-        for (contender, latencies) in endpoint_changes(&api, &nodes, n, changes).with_context(|| format!("endpoint changes at N={n}"))? {
+        for (contender, latencies, programming) in endpoint_changes(&api, &nodes, n, changes).with_context(|| format!("endpoint changes at N={n}"))? {
+            eprintln!("    {contender}: its own network_programming_duration_seconds over these changes: mean {programming:.0} ms");
+            report.figures.push(figure(n, contender, "programming_mean", vec![programming]));
             let mut sorted = latencies.clone();
             sorted.sort_by(|a, b| a.total_cmp(b));
             let at = |q: f64| sorted[((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1];
             eprintln!("    {contender}: p50 {:.0} ms, p99 {:.0} ms", at(0.5), at(0.99));
             report.figures.push(Figure { n, contender: contender.into(), metric: "endpoint_change_p50".into(), value: at(0.5), samples: latencies.clone() });
             report.figures.push(Figure { n, contender: contender.into(), metric: "endpoint_change_p99".into(), value: at(0.99), samples: latencies });
+        }
+        check_interrupted()?;
+        progress.step(&format!("N={n}: {:.0} s of endpoint churn ({CHURN_PER_SECOND} changes/s), every proxy running", churn_time.as_secs_f64()));
+        for (contender, cpu, rss) in churn(&api, &nodes, n, churn_time).with_context(|| format!("endpoint churn at N={n}"))? {
+            eprintln!("    {contender}: {cpu:.2} CPU s per 100 changes, peak RSS {rss:.1} MiB");
+            report.figures.push(figure(n, contender, "churn_cpu", vec![cpu]));
+            report.figures.push(figure(n, contender, "churn_peak_rss", vec![rss]));
         }
         for node in nodes.iter().filter(|node| !node.dropped_out) {
             if let Some(pid) = node.pid() {
@@ -549,7 +645,9 @@ fn data_path(node: &BenchNode, n: usize, window: Duration) -> anyhow::Result<Win
     let rr = probe::rate(node.client_probe()?, &cluster, 1, window, Some(1000))?;
     note("request/response", &rr);
     let ab = ab_rate(node, window)?;
+    let stream = iperf_gbps(node, window)?;
     out.values.extend([
+        ("stream_gbps", stream),
         ("clusterip_rate_1", one.per_second),
         ("clusterip_rate_2", two.per_second),
         ("clusterip_connect_p50", one.p50_us as f64),
@@ -587,6 +685,26 @@ fn ab_rate(node: &BenchNode, window: Duration) -> anyhow::Result<f64> {
     }
 }
 
+/// One TCP stream for `window` from the client pod through the iperf3 Service (`iperf3 -c`,
+/// JSON output): the receiver's Gbit/s.
+fn iperf_gbps(node: &BenchNode, window: Duration) -> anyhow::Result<f64> {
+    let (host, port) = node.iperf_target();
+    let output = node
+        .topo
+        .command_in("client", Path::new("/usr/bin/iperf3"))?
+        .args(["-c", &host, "-p", &port.to_string(), "-t", &window.as_secs().max(1).to_string(), "-J"])
+        .stdin(Stdio::null())
+        .output()
+        .context("running iperf3 -c")?;
+    let result: serde_json::Value = serde_json::from_slice(&output.stdout).with_context(|| {
+        format!("iperf3 -c {host}:{port}: no JSON ({}): {}", output.status, String::from_utf8_lossy(&output.stderr).trim())
+    })?;
+    match result["end"]["sum_received"]["bits_per_second"].as_f64() {
+        Some(bits) if output.status.success() => Ok(bits / 1e9),
+        _ => bail!("iperf3 -c {host}:{port} failed ({}): {}", output.status, result["error"]),
+    }
+}
+
 fn unix_micros() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
 }
@@ -603,13 +721,14 @@ fn pool_endpoints(without: Option<u8>) -> Vec<Endpoint> {
 /// to it again before the next change. The other proxies are paused (SIGSTOP) during a proxy's
 /// turn, so that their work on the same changes (kube-proxy re-syncs every rule: at 10 000
 /// Services, seconds of both CPUs per change) does not count against it; they catch up at the
-/// start of their own turn. Returns the latencies (ms) per contender.
+/// start of their own turn (a first change that is not counted). Returns per contender the latencies (ms) and the mean of its own
+/// network-programming figure over its turn's changes (ms; NaN if it recorded none).
 fn endpoint_changes(
     api: &ControlPlane,
     nodes: &[BenchNode],
     n: usize,
     changes: u32,
-) -> anyhow::Result<Vec<(&'static str, Vec<f64>)>> {
+) -> anyhow::Result<Vec<(&'static str, Vec<f64>, f64)>> {
     use std::io::{BufRead, BufReader};
     const REMOVED: u8 = BACKENDS - 1;
     let removed_name = format!("be{REMOVED}");
@@ -617,41 +736,9 @@ fn endpoint_changes(
     let target = format!("{}:80", service_ip(n - 1));
     let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
     let proxies: Vec<&BenchNode> = nodes.iter().filter(|node| node.contender != Contender::NoProxy && !node.dropped_out).collect();
-    let mut latencies: Vec<(&'static str, Vec<f64>)> = proxies.iter().map(|node| (node.contender.name(), Vec::new())).collect();
-    let set_endpoints = |without: Option<u8>, at: u64| -> anyhow::Result<()> {
-        let seconds = (at / 1_000_000) as i64;
-        let trigger = format!("{}", k8s_openapi::jiff::Timestamp::from_second(seconds).map(|t| t.to_string()).unwrap_or_default());
-        let patch = serde_json::json!({
-            "metadata": { "annotations": { "endpoints.kubernetes.io/last-change-trigger-time": trigger } },
-            "endpoints": pool_endpoints(without),
-        });
-        api.block_on(slices.patch(&format!("{service}-pool"), &PatchParams::default(), &Patch::Merge(&patch)))
-            .with_context(|| format!("changing the endpoints of {service}"))?;
-        Ok(())
-    };
-    // be9 answers through `node` (within `limit_ms`: a proxy that was paused catches up first).
-    let routed_again = |node: &BenchNode, limit_ms: &str| -> anyhow::Result<()> {
-        let status = node
-            .client_probe()?
-            .args([
-                "wait",
-                "--to",
-                &target,
-                "--name",
-                &removed_name,
-                "--limit-ms",
-                limit_ms,
-            ])
-            .stdin(Stdio::null())
-            .status()?;
-        if !status.success() {
-            bail!(
-                "{}: {removed_name} did not come back on {target} within {limit_ms} ms",
-                node.contender.name()
-            );
-        }
-        Ok(())
-    };
+    let mut latencies: Vec<(&'static str, Vec<f64>, f64)> = proxies.iter().map(|node| (node.contender.name(), Vec::new(), f64::NAN)).collect();
+    let set_endpoints = |without: Option<u8>, at: u64| set_pool(api, &slices, &service, without, at);
+    let routed_again = |node: &BenchNode, limit_ms: &str| routed_to(node, &target, &removed_name, limit_ms);
     for (turn, node) in proxies.iter().enumerate() {
         let _paused = Paused::all(
             proxies
@@ -661,8 +748,12 @@ fn endpoint_changes(
                 .filter_map(|(_, p)| p.pid()),
         );
         routed_again(node, "120000")?;
+        // The first change of a turn is not counted: a proxy that was paused catches up on
+        // the changes of the others' turns (kube-proxy in one sync, which also records their
+        // latencies, seconds long since it was paused) before that change reaches it.
+        let mut programmed_before = (0.0, 0.0);
         let out = &mut latencies[turn].1;
-        for _ in 0..changes {
+        for change in 0..=changes {
             check_interrupted()?;
             let mut child = node
                 .client_probe()?
@@ -688,16 +779,99 @@ fn endpoint_changes(
                 bail!("{}: {removed_name} still got new connections 30 s after it was removed ({answer})", node.contender.name());
             }
             let last = answer["last_us"].as_u64().context("no last answer")?;
-            out.push(last.saturating_sub(written) as f64 / 1000.0);
             set_endpoints(None, unix_micros())?;
             routed_again(node, "30000")?;
+            if change == 0 {
+                programmed_before = node.programming_duration()?;
+            } else {
+                out.push(last.saturating_sub(written) as f64 / 1000.0);
+            }
         }
+        let programmed = node.programming_duration()?;
+        let (sum, count) = (programmed.0 - programmed_before.0, programmed.1 - programmed_before.1);
+        latencies[turn].2 = if count > 0.0 { sum / count * 1000.0 } else { f64::NAN };
     }
     // Every proxy routes to be9 again before the next step measures it.
     for node in &proxies {
         routed_again(node, "120000")?;
     }
     Ok(latencies)
+}
+
+/// Sets the endpoints of `service`'s slice to the pool, without `be{without}` if given, with
+/// the change's trigger time `at` (µs since the epoch).
+fn set_pool(api: &ControlPlane, slices: &Api<EndpointSlice>, service: &str, without: Option<u8>, at: u64) -> anyhow::Result<()> {
+    // To the microsecond (RFC 3339 with a fraction, which kube-proxy and ebpf-proxy both parse),
+    // so that the proxies' own network-programming figures are not off by up to a second.
+    let trigger = k8s_openapi::jiff::Timestamp::from_microsecond(at as i64).map(|t| t.to_string()).unwrap_or_default();
+    let patch = serde_json::json!({
+        "metadata": { "annotations": { "endpoints.kubernetes.io/last-change-trigger-time": trigger } },
+        "endpoints": pool_endpoints(without),
+    });
+    api.block_on(slices.patch(&format!("{service}-pool"), &PatchParams::default(), &Patch::Merge(&patch)))
+        .with_context(|| format!("changing the endpoints of {service}"))?;
+    Ok(())
+}
+
+/// Waits until backend `name` answers on `target` through `node` (within `limit_ms`: a proxy
+/// that was paused or busy catches up first).
+fn routed_to(node: &BenchNode, target: &str, name: &str, limit_ms: &str) -> anyhow::Result<()> {
+    let status = node
+        .client_probe()?
+        .args(["wait", "--to", target, "--name", name, "--limit-ms", limit_ms])
+        .stdin(Stdio::null())
+        .status()?;
+    if !status.success() {
+        bail!("{}: {name} did not come back on {target} within {limit_ms} ms", node.contender.name());
+    }
+    Ok(())
+}
+
+/// Endpoint churn at scale `n`: for `duration`, [`CHURN_PER_SECOND`] changes a second to the
+/// newest Service's slice (be9 out, in, out, …), every proxy running. Per proxy: its CPU
+/// seconds per 100 changes (with the children it waited for) and its largest RSS, sampled
+/// every 100 ms. Every proxy routes to be9 again before this returns.
+fn churn(api: &ControlPlane, nodes: &[BenchNode], n: usize, duration: Duration) -> anyhow::Result<Vec<(&'static str, f64, f64)>> {
+    const REMOVED: u8 = BACKENDS - 1;
+    let service = format!("bench-{}", n - 1);
+    let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
+    let proxies: Vec<(&'static str, u32)> = nodes
+        .iter()
+        .filter(|node| node.contender != Contender::NoProxy && !node.dropped_out)
+        .filter_map(|node| Some((node.contender.name(), node.pid()?)))
+        .collect();
+    let cpu_before: Vec<f64> = proxies.iter().map(|(_, pid)| cpu_seconds(*pid)).collect::<anyhow::Result<_>>()?;
+    let mut peak = vec![0.0f64; proxies.len()];
+    let started = Instant::now();
+    let (mut changes, mut next_sample) = (0u32, Instant::now());
+    while started.elapsed() < duration {
+        check_interrupted()?;
+        let due = started + Duration::from_secs_f64(f64::from(changes) / f64::from(CHURN_PER_SECOND));
+        if Instant::now() >= due {
+            let without = (changes % 2 == 0).then_some(REMOVED);
+            set_pool(api, &slices, &service, without, unix_micros())?;
+            changes += 1;
+        }
+        if Instant::now() >= next_sample {
+            for (i, (_, pid)) in proxies.iter().enumerate() {
+                peak[i] = peak[i].max(memory_mib(*pid)?.0);
+            }
+            next_sample += Duration::from_millis(100);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    set_pool(api, &slices, &service, None, unix_micros())?;
+    changes += 1;
+    let mut out = Vec::new();
+    for (i, (name, pid)) in proxies.iter().enumerate() {
+        let cpu = cpu_seconds(*pid)? - cpu_before[i];
+        out.push((*name, cpu / f64::from(changes) * 100.0, peak[i]));
+    }
+    let target = format!("{}:80", service_ip(n - 1));
+    for node in nodes.iter().filter(|node| node.contender != Contender::NoProxy && !node.dropped_out) {
+        routed_to(node, &target, &format!("be{REMOVED}"), "120000")?;
+    }
+    Ok(out)
 }
 
 /// Processes paused with SIGSTOP, resumed (SIGCONT) when this is dropped, also on failure.
@@ -840,12 +1014,18 @@ fn slice(service: &str, port: i32) -> EndpointSlice {
     }
 }
 
+/// The Services of the `ab` cross-check (every backend's HTTP port) and of the long stream
+/// (iperf3 on be0 only).
 fn create_http_service(api: &ControlPlane) -> anyhow::Result<()> {
     let services: Api<Service> = Api::namespaced(api.client(), NAMESPACE);
     let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
     api.block_on(async {
         services.create(&PostParams::default(), &service("bench-http", HTTP_VIP, 8081, None)).await.context("creating bench-http")?;
         slices.create(&PostParams::default(), &slice("bench-http", 8081)).await.context("creating bench-http's slice")?;
+        services.create(&PostParams::default(), &service("bench-iperf", IPERF_VIP, i32::from(IPERF_PORT), None)).await.context("creating bench-iperf")?;
+        let mut iperf = slice("bench-iperf", i32::from(IPERF_PORT));
+        iperf.endpoints.truncate(1);
+        slices.create(&PostParams::default(), &iperf).await.context("creating bench-iperf's slice")?;
         anyhow::Ok(())
     })
 }
