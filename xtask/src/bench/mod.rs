@@ -721,8 +721,9 @@ fn pool_endpoints(without: Option<u8>) -> Vec<Endpoint> {
 /// to it again before the next change. The other proxies are paused (SIGSTOP) during a proxy's
 /// turn, so that their work on the same changes (kube-proxy re-syncs every rule: at 10 000
 /// Services, seconds of both CPUs per change) does not count against it; they catch up at the
-/// start of their own turn (a first change that is not counted). Returns per contender the latencies (ms) and the mean of its own
-/// network-programming figure over its turn's changes (ms; NaN if it recorded none).
+/// start of their own turn (a first change that is not counted). Returns per contender the
+/// latencies (ms) and the mean of its own network-programming figure over its turn's changes
+/// (ms; NaN if it recorded none).
 fn endpoint_changes(
     api: &ControlPlane,
     nodes: &[BenchNode],
@@ -862,14 +863,16 @@ fn churn(api: &ControlPlane, nodes: &[BenchNode], n: usize, duration: Duration) 
     }
     set_pool(api, &slices, &service, None, unix_micros())?;
     changes += 1;
-    let mut out = Vec::new();
-    for (i, (name, pid)) in proxies.iter().enumerate() {
-        let cpu = cpu_seconds(*pid)? - cpu_before[i];
-        out.push((*name, cpu / f64::from(changes) * 100.0, peak[i]));
-    }
     let target = format!("{}:80", service_ip(n - 1));
     for node in nodes.iter().filter(|node| node.contender != Contender::NoProxy && !node.dropped_out) {
         routed_to(node, &target, &format!("be{REMOVED}"), "120000")?;
+    }
+    // The changes a proxy had not caught up with when the churn stopped count too: its CPU is
+    // read once it has been idle for a second.
+    let mut out = Vec::new();
+    for (i, (name, pid)) in proxies.iter().enumerate() {
+        let cpu = settled_cpu_seconds(*pid, Duration::from_secs(120))? - cpu_before[i];
+        out.push((*name, cpu / f64::from(changes) * 100.0, peak[i]));
     }
     Ok(out)
 }
@@ -915,6 +918,21 @@ fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
         ticks += field.parse::<f64>()?;
     }
     Ok(ticks / clock_ticks())
+}
+
+/// [`cpu_seconds`] of `pid` once it has used less than 20 ms of CPU in a second (or when
+/// `limit` is over).
+fn settled_cpu_seconds(pid: u32, limit: Duration) -> anyhow::Result<f64> {
+    let until = Instant::now() + limit;
+    let mut last = cpu_seconds(pid)?;
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = cpu_seconds(pid)?;
+        if now - last < 0.02 || Instant::now() >= until {
+            return Ok(now);
+        }
+        last = now;
+    }
 }
 
 /// (VmRSS, VmHWM) of process `pid`, in MiB.

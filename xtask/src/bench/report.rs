@@ -466,7 +466,8 @@ Each proxy's own `kubeproxy_network_programming_duration_seconds` (both export i
 `last-change-trigger-time` is written to the microsecond here) is read from its `/metrics` before and after its turn: \
 the mean is the change in its sum over the change in its count (its buckets are too coarse for a p99 at these \
 latencies). Churn: then, every proxy running, 10 changes a second to the same slice (be9 out, in, out, …) for 60 s (5 s in the quick \
-run); each proxy's CPU time per 100 changes (with the children it waited for) and its largest RSS, read every 100 ms. \
+run); each proxy's CPU time per 100 changes (with the children it waited for; read once it has caught up and been idle for a \
+second) and its largest RSS, read every 100 ms. \
 Long stream: `iperf3 -c` from the client pod for one window, through a Service whose one endpoint is `iperf3 -s` on be0. \
 Cross-check: Debian's `ab -c 1` (ApacheBench, no keep-alive) against the same ClusterIP. CPU: system + softirq time of the \
 whole machine (`/proc/stat`) during the 1-client ClusterIP window, per 10 000 connections (client, server and proxy together).\n";
