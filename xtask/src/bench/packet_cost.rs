@@ -54,7 +54,7 @@ pub fn builds() -> [(&'static str, std::path::PathBuf); 2] {
 /// median of its rounds.
 pub fn measure() -> anyhow::Result<Vec<PacketCost>> {
     let ns = routed_netns()?;
-    let measured = e2e::topology::in_netns(&ns.path(), || -> anyhow::Result<Vec<PacketCost>> {
+    e2e::topology::in_netns(&ns.path(), || -> anyhow::Result<Vec<PacketCost>> {
         let builds = builds();
         let mut loaded = Vec::new();
         for (name, object) in &builds {
@@ -89,8 +89,7 @@ pub fn measure() -> anyhow::Result<Vec<PacketCost>> {
             cost.ns = median(&cost.samples);
         }
         Ok(costs)
-    })?;
-    measured
+    })?
 }
 
 /// A build loaded with the three NodePorts' frontends.
