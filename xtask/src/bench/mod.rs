@@ -46,6 +46,8 @@ const IPERF_PORT: u16 = 5201;
 /// kube-proxy's network-programming histogram (ebpf-proxy exports it under this name too).
 const PROGRAMMING_METRIC_SUM: &str = "kubeproxy_network_programming_duration_seconds_sum";
 const PROGRAMMING_METRIC_COUNT: &str = "kubeproxy_network_programming_duration_seconds_count";
+/// The backend the endpoint changes and the churn take out of the newest Service and put back.
+const CHANGED: u8 = BACKENDS - 1;
 /// Endpoint changes per second during the churn window.
 const CHURN_PER_SECOND: u32 = 10;
 const CLUSTER_CIDR: &str = "10.244.0.0/16";
@@ -188,6 +190,11 @@ impl BenchNode {
             }
         }
         Ok(node)
+    }
+
+    /// A proxy (not the baseline) that is still measured at this N.
+    fn measured_proxy(&self) -> bool {
+        self.contender != Contender::NoProxy && !self.dropped_out
     }
 
     fn pid(&self) -> Option<u32> {
@@ -490,7 +497,7 @@ fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow:
         eprintln!("    {} Services and slices created in {:.1?}", n - created, t.elapsed());
         created = n;
 
-        for node in nodes.iter_mut().filter(|node| node.contender != Contender::NoProxy && !node.dropped_out) {
+        for node in nodes.iter_mut().filter(|node| node.measured_proxy()) {
             check_interrupted()?;
             let name = node.contender.name();
             progress.step(&format!("N={n}: cold start of {name}"));
@@ -731,12 +738,11 @@ fn endpoint_changes(
     changes: u32,
 ) -> anyhow::Result<Vec<(&'static str, Vec<f64>, f64)>> {
     use std::io::{BufRead, BufReader};
-    const REMOVED: u8 = BACKENDS - 1;
-    let removed_name = format!("be{REMOVED}");
+    let removed_name = format!("be{CHANGED}");
     let service = format!("bench-{}", n - 1);
     let target = format!("{}:80", service_ip(n - 1));
     let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
-    let proxies: Vec<&BenchNode> = nodes.iter().filter(|node| node.contender != Contender::NoProxy && !node.dropped_out).collect();
+    let proxies: Vec<&BenchNode> = nodes.iter().filter(|node| node.measured_proxy()).collect();
     let mut latencies: Vec<(&'static str, Vec<f64>, f64)> = proxies.iter().map(|node| (node.contender.name(), Vec::new(), f64::NAN)).collect();
     let set_endpoints = |without: Option<u8>, at: u64| set_pool(api, &slices, &service, without, at);
     let routed_again = |node: &BenchNode, limit_ms: &str| routed_to(node, &target, &removed_name, limit_ms);
@@ -771,7 +777,7 @@ fn endpoint_changes(
                 bail!("{}: {removed_name} never answered on {target} before the change ({line:?})", node.contender.name());
             }
             let written = unix_micros();
-            set_endpoints(Some(REMOVED), written)?;
+            set_endpoints(Some(CHANGED), written)?;
             let mut line = String::new();
             reader.read_line(&mut line)?;
             child.wait()?;
@@ -833,12 +839,11 @@ fn routed_to(node: &BenchNode, target: &str, name: &str, limit_ms: &str) -> anyh
 /// seconds per 100 changes (with the children it waited for) and its largest RSS, sampled
 /// every 100 ms. Every proxy routes to be9 again before this returns.
 fn churn(api: &ControlPlane, nodes: &[BenchNode], n: usize, duration: Duration) -> anyhow::Result<Vec<(&'static str, f64, f64)>> {
-    const REMOVED: u8 = BACKENDS - 1;
     let service = format!("bench-{}", n - 1);
     let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
     let proxies: Vec<(&'static str, u32)> = nodes
         .iter()
-        .filter(|node| node.contender != Contender::NoProxy && !node.dropped_out)
+        .filter(|node| node.measured_proxy())
         .filter_map(|node| Some((node.contender.name(), node.pid()?)))
         .collect();
     let cpu_before: Vec<f64> = proxies.iter().map(|(_, pid)| cpu_seconds(*pid)).collect::<anyhow::Result<_>>()?;
@@ -849,7 +854,7 @@ fn churn(api: &ControlPlane, nodes: &[BenchNode], n: usize, duration: Duration) 
         check_interrupted()?;
         let due = started + Duration::from_secs_f64(f64::from(changes) / f64::from(CHURN_PER_SECOND));
         if Instant::now() >= due {
-            let without = (changes % 2 == 0).then_some(REMOVED);
+            let without = (changes % 2 == 0).then_some(CHANGED);
             set_pool(api, &slices, &service, without, unix_micros())?;
             changes += 1;
         }
@@ -864,8 +869,8 @@ fn churn(api: &ControlPlane, nodes: &[BenchNode], n: usize, duration: Duration) 
     set_pool(api, &slices, &service, None, unix_micros())?;
     changes += 1;
     let target = format!("{}:80", service_ip(n - 1));
-    for node in nodes.iter().filter(|node| node.contender != Contender::NoProxy && !node.dropped_out) {
-        routed_to(node, &target, &format!("be{REMOVED}"), "120000")?;
+    for node in nodes.iter().filter(|node| node.measured_proxy()) {
+        routed_to(node, &target, &format!("be{CHANGED}"), "120000")?;
     }
     // The changes a proxy had not caught up with when the churn stopped count too: its CPU is
     // read once it has been idle for a second.

@@ -58,15 +58,14 @@ pub fn measure() -> anyhow::Result<Vec<PacketCost>> {
         let builds = builds();
         let mut loaded = Vec::new();
         for (name, object) in &builds {
-            loaded.push((*name, seeded(object).with_context(|| format!("loading the {name} build ({})", object.display()))?));
+            loaded.push((*name, object, seeded(object).with_context(|| format!("loading the {name} build ({})", object.display()))?));
         }
         let mut costs: Vec<PacketCost> = Vec::new();
         for round in 0..ROUNDS {
-            for (build, programs) in &loaded {
+            for (build, object, programs) in &loaded {
                 for (case, title, verdict) in CASES {
                     let timed = if *case == "no_route" {
                         // Loaded again, so that the log ring is empty (nothing reads it here).
-                        let object = &builds.iter().find(|(name, _)| name == build).expect("a build of the list").1;
                         time_case(&seeded(object)?, case, *verdict, round)
                     } else {
                         time_case(programs, case, *verdict, round)
@@ -79,7 +78,7 @@ pub fn measure() -> anyhow::Result<Vec<PacketCost>> {
                 }
             }
         }
-        for (build, programs) in &loaded {
+        for (build, _, programs) in &loaded {
             // The failure path really was the one measured.
             if programs.counter("tc_fib_fail")? == 0 {
                 bail!("{build} build: the no-route case never failed its route lookup");
