@@ -7,8 +7,9 @@
 //!
 //! After a watch error, or a failed probe of the API, the view counts as unconfirmed (health:
 //! stale). A resumed watch that has nothing to report would never confirm it, and the watcher's
-//! backoff may wait 30 s before it even retries, so the API is probed (every 10 s, every 2 s while
-//! failing); as soon as it answers again, the failed watchers are recreated, which relists them at
+//! backoff may wait 30 s before it even retries, so the API is probed while something fails (after
+//! 2 s, then backing off to one probe in 8 to 12 s while it does not answer; nothing is probed
+//! while every watch is fine); as soon as it answers again, the failed watchers are recreated, which relists them at
 //! once (this also gets past a `410 Gone` after an API server restart, and catches deletions a
 //! reconnecting watch could have missed). Meanwhile the datapath keeps its last state.
 
@@ -47,13 +48,20 @@ const TCP_KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
 /// ... then every this often, and the connection is dropped after this many unanswered.
 const TCP_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 const TCP_KEEPALIVE_RETRIES: u32 = 3;
-/// While a watch is failing, the API is probed (`GET /version`) about this often (uniformly
-/// 1 to 1.5 times it, so that nodes that lost the API together do not probe and relist in the
-/// same second): an answer recreates the failed watches at once instead of after their
-/// backoff. Never sooner than 2 s: kube-runtime's watcher retries by itself first (after 0.8 to
-/// 1.6 s), resuming where it was, and a probe that beat it would relist instead, hiding what the
-/// resumed watch would have said (a `410 Gone`). Nothing is probed while every watch is fine.
+/// While a watch is failing, the API is probed (`GET /version`): first after this long, then
+/// twice as long after each probe that found no answer, up to [`PROBE_INTERVAL_MAX`] (each wait
+/// uniformly 1 to 1.5 times that, so that nodes that lost the API together do not probe and
+/// relist in the same second). An answer recreates the failed watches at once instead of after
+/// their backoff. Never sooner than 2 s: kube-runtime's watcher retries by itself first (after
+/// 0.8 to 1.6 s), resuming where it was, and a probe that beat it would relist instead, hiding
+/// what the resumed watch would have said (a `410 Gone`). Nothing is probed while every watch
+/// is fine.
 const PROBE_INTERVAL_FAILING: Duration = Duration::from_secs(2);
+/// The longest wait between probes of an API that does not answer: 5 000 nodes send about
+/// 500 probes a second to an API that is down (2 500 with a probe every 2 s), and each finds
+/// it back within 12 s. (kube-proxy's informers, measured by the benchmark's fleet part, try
+/// again about 4 times a second per node.)
+const PROBE_INTERVAL_MAX: Duration = Duration::from_secs(8);
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A client from `--kubeconfig`, else the in-cluster config, else `$KUBECONFIG`/~/.kube/config.
@@ -108,6 +116,11 @@ fn build_client(config: Config) -> anyhow::Result<Client> {
         .map_err(tower::BoxError::from)
         .service(client);
     Ok(Client::new(service, config.default_namespace))
+}
+
+/// The wait before the next probe after `unanswered` probes in a row found no answer.
+fn probe_interval(unanswered: u32) -> Duration {
+    PROBE_INTERVAL_FAILING.saturating_mul(1 << unanswered.min(8)).min(PROBE_INTERVAL_MAX)
 }
 
 /// `base` scaled by a uniform factor in [1, 1.5).
@@ -446,6 +459,8 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
         // Set only while something fails: a healthy agent sends no request of its own.
         let mut next_probe: Option<tokio::time::Instant> = None;
         let mut probe_failed = false;
+        // Probes in a row that found no answer: the wait before the next grows with them.
+        let mut unanswered = 0;
         let mut was_stale = false;
 
         loop {
@@ -481,15 +496,16 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
                         tracing::warn!("the Kubernetes API does not answer; the datapath keeps its last state");
                     }
                     probe_failed = !answered;
+                    unanswered = if answered { 0 } else { unanswered + 1 };
                     let failing = probe_failed || st.failing();
-                    next_probe = failing.then(|| tokio::time::Instant::now() + jittered(PROBE_INTERVAL_FAILING));
+                    next_probe = failing.then(|| tokio::time::Instant::now() + jittered(probe_interval(unanswered)));
                     None
                 }
             };
             let mut st = shared.lock().expect("stores lock");
             let stale = probe_failed || st.failing();
             if stale {
-                let soon = tokio::time::Instant::now() + jittered(PROBE_INTERVAL_FAILING);
+                let soon = tokio::time::Instant::now() + jittered(probe_interval(unanswered));
                 next_probe = Some(next_probe.map_or(soon, |at| at.min(soon)));
             } else if was_stale && health.succeeded() {
                 tracing::info!("every watch is confirmed again; the datapath follows the API");
@@ -535,6 +551,13 @@ mod tests {
 
     fn names(store: &KindStore<ServiceInfo>) -> Vec<String> {
         store.objects.keys().map(|(_, n)| n.clone()).collect()
+    }
+
+    #[test]
+    fn probes_of_an_api_that_does_not_answer_back_off_to_the_cap() {
+        let waits: Vec<u64> = (0..7).map(|unanswered| probe_interval(unanswered).as_secs()).collect();
+        assert_eq!(waits, [2, 4, 8, 8, 8, 8, 8]);
+        assert_eq!(probe_interval(u32::MAX), PROBE_INTERVAL_MAX, "no overflow after a very long outage");
     }
 
     #[test]
