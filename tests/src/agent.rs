@@ -194,6 +194,38 @@ impl Agent {
         Ok(agent)
     }
 
+    /// The agent of node `node_name` on the Kubernetes API behind `kubeconfig`, alone in `netns`
+    /// (e.g. one of many simulated nodes): it balances the sockets of `cgroup`, with its own
+    /// bpffs directory (named after `dir`), state and log under `dir`, and `extra_args`. Waits
+    /// until it has synced.
+    pub fn start_kube_as(
+        node_name: &str,
+        netns: &Path,
+        cgroup: &Path,
+        dir: &AgentDir,
+        kubeconfig: &Path,
+        extra_args: &[&str],
+    ) -> anyhow::Result<Self> {
+        let (healthz_port, metrics_port) = free_ports();
+        let dir_name = dir.dir.file_name().context("agent directory without a name")?.to_string_lossy();
+        let mut agent = Self {
+            child: None,
+            bpffs: PathBuf::from(format!("/sys/fs/bpf/{dir_name}")),
+            cgroup: cgroup.to_owned(),
+            healthz_port,
+            metrics_port,
+            log: dir.dir.join("agent.log"),
+            state_dir: dir.dir.join("state"),
+            source_args: vec!["--source=kube".into(), format!("--kubeconfig={}", kubeconfig.display())],
+            extra_args: extra_args.iter().map(ToString::to_string).collect(),
+            netns: Some(netns.to_owned()),
+            node_name: node_name.to_owned(),
+            starts: 0,
+        };
+        agent.restart()?;
+        Ok(agent)
+    }
+
     /// The value of one sample of `/metrics` (`name` or `name{labels}` exactly as exposed).
     pub fn metric(&self, series: &str) -> anyhow::Result<f64> {
         let (status, text) = self.get(true, "/metrics")?;

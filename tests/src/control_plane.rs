@@ -316,6 +316,20 @@ impl ControlPlane {
         })
     }
 
+    /// kube-apiserver's process id while it runs (its CPU time for the fleet benchmark).
+    pub fn apiserver_pid(&self) -> Option<u32> {
+        self.apiserver.as_ref().map(Child::id)
+    }
+
+    /// kube-apiserver's `/metrics` text (Prometheus format), read with the admin client.
+    pub fn metrics_text(&self) -> anyhow::Result<String> {
+        let request = http::Request::get("/metrics").body(Vec::new()).context("building GET /metrics")?;
+        let client = self.client.clone();
+        self.block_on(async { tokio::time::timeout(Duration::from_secs(10), client.request_text(request)).await })
+            .context("GET /metrics of kube-apiserver timed out after 10 s")?
+            .context("GET /metrics of kube-apiserver")
+    }
+
     /// Kills kube-apiserver (SIGKILL: the master fails, as in a crash or a lost machine); etcd
     /// keeps running.
     pub fn stop_apiserver(&mut self) -> anyhow::Result<()> {

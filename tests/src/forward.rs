@@ -21,6 +21,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -39,6 +40,8 @@ struct Control {
     /// Bumped by [`Forwarder::reset_connections`]: the connections open then end.
     resets: watch::Sender<u64>,
     shutdown: watch::Sender<bool>,
+    /// Connections accepted so far.
+    accepted: AtomicU64,
 }
 
 /// Forwards connections to `127.0.0.1:<port>` in the host namespace to a target address as seen
@@ -72,8 +75,12 @@ impl Forwarder {
         crate::topology::in_netns(netns, || ()).with_context(|| format!("entering network namespace {}", netns.display()))?;
         let addr = listener.local_addr().context("forwarder address")?;
         listener.set_nonblocking(true).context("forwarder listener")?;
-        let control =
-            Arc::new(Control { blackhole: watch::Sender::new(false), resets: watch::Sender::new(0), shutdown: watch::Sender::new(false) });
+        let control = Arc::new(Control {
+            blackhole: watch::Sender::new(false),
+            resets: watch::Sender::new(0),
+            shutdown: watch::Sender::new(false),
+            accepted: AtomicU64::new(0),
+        });
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("the forwarder's runtime")?;
         let (netns, serving) = (netns.to_owned(), control.clone());
         let runtime = std::thread::Builder::new()
@@ -104,6 +111,12 @@ impl Forwarder {
         self.control.blackhole.send_replace(on);
     }
 
+    /// Connections accepted so far: while the target is down, each is one attempt of a client to
+    /// reach it (a request, a watch, a probe), as a load balancer in front of it would count.
+    pub fn connections(&self) -> u64 {
+        self.control.accepted.load(Ordering::Relaxed)
+    }
+
     /// Closes every connection open through the forwarder, as a load balancer in front of the
     /// API that restarts would; new connections are forwarded as before.
     pub fn reset_connections(&self) {
@@ -130,6 +143,7 @@ async fn serve(listener: std::net::TcpListener, netns: PathBuf, target: SocketAd
             _ = shutdown.wait_for(|stop| *stop) => return,
             accepted = listener.accept() => {
                 if let Ok((client, _)) = accepted {
+                    control.accepted.fetch_add(1, Ordering::Relaxed);
                     tokio::spawn(connection(client, netns.clone(), target, control.clone()));
                 }
             }
@@ -234,6 +248,7 @@ mod tests {
         let mut conn = std::net::TcpStream::connect(fwd.addr()).expect("connect after the reset");
         conn.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
         echo(&mut conn, b"later");
+        assert_eq!(fwd.connections(), 2, "two connections were made through the forwarder");
 
         let addr = fwd.addr();
         drop(fwd);

@@ -88,6 +88,13 @@ enum Task {
         /// kube-proxy-nftables) against the no-proxy baseline; default: all.
         #[arg(long, value_delimiter = ',')]
         contenders: Option<Vec<String>>,
+        /// Simulated nodes per proxy in the fleet part (many nodes against one API server; run
+        /// at the largest N up to 1000); 0 leaves it out. Default 100 (5 with --quick).
+        #[arg(long)]
+        fleet_nodes: Option<usize>,
+        /// Seconds the API server is down in the fleet part (default 60; 5 with --quick).
+        #[arg(long)]
+        fleet_outage: Option<u64>,
     },
     /// A local control plane (etcd + kube-apiserver) in a network namespace, with a kubeconfig;
     /// `up --node` adds a real node: kube-controller-manager, kube-scheduler, kubelet on
@@ -288,6 +295,8 @@ fn bench_options(quick: bool, max_services: usize, out: Option<PathBuf>) -> benc
         command,
         cold_start_limit: std::time::Duration::from_secs(600),
         contenders: None,
+        fleet_nodes: None,
+        fleet_outage: None,
     }
 }
 
@@ -345,7 +354,7 @@ fn main() -> anyhow::Result<()> {
             cluster::up(node)
         }
         Task::Cluster { action: ClusterAction::Down } => cluster::down(),
-        Task::Bench { quick, max_services, window, rounds, out, redraw, cold_start_limit, contenders } => {
+        Task::Bench { quick, max_services, window, rounds, out, redraw, cold_start_limit, contenders, fleet_nodes, fleet_outage } => {
             if let Some(dir) = redraw {
                 return bench::redraw(&dir);
             }
@@ -372,6 +381,14 @@ fn main() -> anyhow::Result<()> {
                 options.command.push_str(&format!(" --contenders {}", names.join(",")));
             }
             options.contenders = contenders;
+            if let Some(nodes) = fleet_nodes {
+                options.command.push_str(&format!(" --fleet-nodes {nodes}"));
+            }
+            if let Some(outage) = fleet_outage {
+                options.command.push_str(&format!(" --fleet-outage {outage}"));
+            }
+            options.fleet_nodes = fleet_nodes;
+            options.fleet_outage = fleet_outage.map(std::time::Duration::from_secs);
             bench::run(&options)
         }
         Task::Peers => peers::run().map(|dir| println!("{}", dir.display())),

@@ -11,6 +11,7 @@
 //! then each proxy is cold-started alone and timed until the newest Service answers, then the
 //! data-path windows run, the contenders taking turns. See `report.rs` for what is written.
 
+mod fleet;
 mod packet_cost;
 mod report;
 
@@ -86,6 +87,10 @@ pub struct Options {
     pub cold_start_limit: Duration,
     /// The proxies measured (the no-proxy baseline always is); `None`: all three.
     pub contenders: Option<Vec<String>>,
+    /// Simulated nodes per proxy in the fleet part (0: no fleet part); default 100, 5 quick.
+    pub fleet_nodes: Option<usize>,
+    /// How long the API server is down in the fleet part; default 60 s, 5 s quick.
+    pub fleet_outage: Option<Duration>,
 }
 
 /// The ClusterIP of Service `bench-i`: 10.96.1.1 onwards, 250 per /24.
@@ -429,11 +434,14 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     // Steps: per N, the Services, 3 cold starts and rounds × 4 contenders × windows.
     let contenders = Contender::selected(options.contenders.as_deref())?;
     let proxies = contenders.len() - 1;
-    let mut progress = Progress { started, done: 0, total: 3 + scales.len() * (3 + proxies + rounds as usize * contenders.len()) };
+    let fleet = fleet_plan(options, &scales, &contenders);
+    let fleet_steps = fleet.as_ref().map_or(0, |f| 2 * f.kinds.len());
+    let mut progress = Progress { started, done: 0, total: 3 + fleet_steps + scales.len() * (3 + proxies + rounds as usize * contenders.len()) };
     if options.contenders.is_some() {
         report.run.contenders = contenders.iter().map(|c| c.name().to_owned()).collect();
     }
-    let plan = Plan { scales, window, rounds, changes, churn_time, cold_start_limit: options.cold_start_limit, contenders };
+    report.run.fleet_kinds = fleet.as_ref().map(|f| f.kinds.iter().map(|k| k.name().to_owned()).collect()).unwrap_or_default();
+    let plan = Plan { scales, window, rounds, changes, churn_time, cold_start_limit: options.cold_start_limit, contenders, fleet };
     let measured = measure(&plan, &mut report, &mut progress);
     report.run.duration_s = started.elapsed().as_secs_f64();
     if let Err(error) = &measured {
@@ -457,10 +465,36 @@ struct Plan {
     churn_time: Duration,
     cold_start_limit: Duration,
     contenders: Vec<Contender>,
+    /// Run at N = its `services`, after that N's other figures.
+    fleet: Option<fleet::Plan>,
+}
+
+/// The fleet part, at the largest N up to 1 000 (each simulated node holds every Service, and
+/// a hundred kube-proxies of 10 000 Services would not fit a small machine): the API server
+/// alone, then ebpf-proxy and kube-proxy (nftables) if they are measured.
+fn fleet_plan(options: &Options, scales: &[usize], contenders: &[Contender]) -> Option<fleet::Plan> {
+    let nodes = options.fleet_nodes.unwrap_or(if options.quick { 5 } else { 100 });
+    let services = scales.iter().copied().filter(|&n| n <= 1000).max()?;
+    let mut kinds = vec![fleet::Kind::None];
+    if contenders.contains(&Contender::Ebpf) {
+        kinds.push(fleet::Kind::Ebpf);
+    }
+    if contenders.contains(&Contender::KubeProxy(Mode::Nftables)) {
+        kinds.push(fleet::Kind::KubeProxy);
+    }
+    (nodes > 0).then(|| fleet::Plan {
+        nodes,
+        services,
+        steady: Duration::from_secs(if options.quick { 5 } else { 60 }),
+        outage: options.fleet_outage.unwrap_or(Duration::from_secs(if options.quick { 5 } else { 60 })),
+        converge_limit: Duration::from_secs(300),
+        settle: Duration::from_secs(if options.quick { 2 } else { 10 }),
+        kinds,
+    })
 }
 
 fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow::Result<()> {
-    let Plan { scales, window, rounds, changes, churn_time, cold_start_limit, contenders } = plan;
+    let Plan { scales, window, rounds, changes, churn_time, cold_start_limit, contenders, fleet } = plan;
     let (window, rounds, changes, churn_time) = (*window, *rounds, *changes, *churn_time);
     progress.step("per-packet cost of the TC ingress program (BPF_PROG_TEST_RUN), with and without log calls");
     report.packet_costs = packet_cost::measure().context("measuring the per-packet cost")?;
@@ -470,7 +504,10 @@ fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow:
     }
     progress.step("starting etcd and kube-apiserver");
     let mut cp_topo = Topology::new()?;
-    let api = ControlPlane::start(&mut cp_topo)?;
+    // The fleet part counts `GET /version` in the API server's audit log.
+    let audit = fleet.as_ref().map(|_| fleet::VersionAudit::new()).transpose()?;
+    let audit_args = audit.as_ref().map(fleet::VersionAudit::apiserver_args).unwrap_or_default();
+    let mut api = ControlPlane::start_with(&mut cp_topo, &audit_args.iter().map(String::as_str).collect::<Vec<_>>())?;
     api.apply(&format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {NAMESPACE}}}\n"))?;
     create_nodes(&api)?;
     create_http_service(&api)?;
@@ -583,6 +620,11 @@ fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow:
                 let (rss, _) = memory_mib(pid)?;
                 report.figures.push(figure(n, node.contender.name(), "rss", vec![rss]));
             }
+        }
+        if let (Some(fleet), Some(audit)) = (fleet.as_ref().filter(|f| f.services == n), &audit) {
+            // The node namespaces' proxies are paused: the API server's figures are the fleet's.
+            let _paused = Paused::all(nodes.iter().filter_map(BenchNode::pid));
+            report.fleet = fleet::measure(&mut api, audit, fleet, progress).context("the fleet part")?;
         }
     }
     drop(nodes);
@@ -974,22 +1016,24 @@ fn steal_seconds() -> anyhow::Result<f64> {
 
 /// The Node objects of the proxies' nodes, with their address (kube-proxy reads it).
 fn create_nodes(api: &ControlPlane) -> anyhow::Result<()> {
+    for contender in Contender::ALL {
+        create_node(api, if contender == Contender::Ebpf { EBPF_NODE } else { contender.name() })?;
+    }
+    Ok(())
+}
+
+/// Node `name`, with an InternalIP (kube-proxy reads its node's addresses).
+fn create_node(api: &ControlPlane, name: &str) -> anyhow::Result<()> {
     let nodes: Api<Node> = Api::all(api.client());
     api.block_on(async {
-        for contender in Contender::ALL {
-            let name = if contender == Contender::Ebpf { EBPF_NODE } else { contender.name() };
-            let node = Node { metadata: ObjectMeta { name: Some(name.into()), ..Default::default() }, ..Default::default() };
-            nodes.create(&PostParams::default(), &node).await.with_context(|| format!("creating Node {name}"))?;
-            let status = NodeStatus {
-                addresses: Some(vec![NodeAddress { type_: "InternalIP".into(), address: "192.168.240.1".into() }]),
-                ..Default::default()
-            };
-            let patch = serde_json::json!({ "status": status });
-            nodes
-                .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .with_context(|| format!("setting the address of Node {name}"))?;
-        }
+        let node = Node { metadata: ObjectMeta { name: Some(name.into()), ..Default::default() }, ..Default::default() };
+        nodes.create(&PostParams::default(), &node).await.with_context(|| format!("creating Node {name}"))?;
+        let status = NodeStatus {
+            addresses: Some(vec![NodeAddress { type_: "InternalIP".into(), address: "192.168.240.1".into() }]),
+            ..Default::default()
+        };
+        let patch = serde_json::json!({ "status": status });
+        nodes.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await.with_context(|| format!("setting the address of Node {name}"))?;
         anyhow::Ok(())
     })
 }

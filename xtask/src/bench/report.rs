@@ -9,6 +9,8 @@ use anyhow::{bail, Context};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use super::fleet::{self, FleetRun};
+
 /// The contenders, in the report's column order.
 pub const CONTENDERS: &[&str] = &["no-proxy", "ebpf-proxy", "kube-proxy-iptables", "kube-proxy-nftables"];
 
@@ -48,6 +50,9 @@ pub struct Run {
     /// The contenders measured (`--contenders`); empty: all of them.
     #[serde(default)]
     pub contenders: Vec<String>,
+    /// The fleet part's runs planned (`none` first: the API server alone); empty: none.
+    #[serde(default)]
+    pub fleet_kinds: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -64,6 +69,9 @@ pub struct Report {
     /// Per-packet cost of the TC ingress program, per path and build (`packet_cost.rs`).
     #[serde(default)]
     pub packet_costs: Vec<PacketCost>,
+    /// The fleet part: many nodes against one API server (`fleet.rs`).
+    #[serde(default)]
+    pub fleet: Vec<FleetRun>,
 }
 
 /// One path's time per packet in one build of the programs: the median of its rounds.
@@ -147,6 +155,20 @@ impl Report {
                         Some(v) if v.is_finite() => {}
                         Some(v) => missing.push(format!("N={n} {contender} {}: {v}", m.key)),
                         None => missing.push(format!("N={n} {contender} {}: absent", m.key)),
+                    }
+                }
+            }
+        }
+        for kind in &self.run.fleet_kinds {
+            match self.fleet.iter().find(|f| &f.proxy == kind) {
+                None => missing.push(format!("fleet {kind}: absent")),
+                Some(f) => {
+                    let figures = [f.steady_s, f.steady_cpu, f.outage_s, f.recovery_s, f.recovery_cpu, f.recovery_peak_rps];
+                    if figures.iter().any(|v| !v.is_finite() || *v < 0.0) || f.recovery_requests.is_empty() {
+                        missing.push(format!("fleet {kind}: a figure is missing or not finite"));
+                    }
+                    if f.nodes > 0 && (f.start_requests.is_empty() || f.converge_s.is_empty()) {
+                        missing.push(format!("fleet {kind}: no start requests or no node converged"));
                     }
                 }
             }
@@ -338,6 +360,7 @@ pub fn markdown(report: &Report) -> String {
         let _ = writeln!(md);
     }
     md.push_str(&packet_costs(report));
+    md.push_str(&fleet_section(report));
     let _ = writeln!(md, "## Failed operations\n");
     if run.failures.is_empty() {
         let _ = writeln!(md, "None: every connection and request of every window was answered.");
@@ -354,7 +377,6 @@ pub fn markdown(report: &Report) -> String {
             let _ = writeln!(md, "- {n}");
         }
     }
-    md.push_str(NOT_YET);
     md
 }
 
@@ -472,6 +494,121 @@ Long stream: `iperf3 -c` from the client pod for one window, through a Service w
 Cross-check: Debian's `ab -c 1` (ApacheBench, no keep-alive) against the same ClusterIP. CPU: system + softirq time of the \
 whole machine (`/proc/stat`) during the 1-client ClusterIP window, per 10 000 connections (client, server and proxy together).\n";
 
-const NOT_YET: &str = "\n## Not measured yet\n\n\
-This part of the benchmark is not built yet (issue \"Benchmarks side by side with real kube-proxy\" stays open for it): \
-the fleet part (100 agents and 100 kube-proxies against one API server, the relist herd after an outage).\n";
+
+
+/// Requests of `run` whose verb and resource start as `prefix` says (e.g. `LIST`, `GET /version`).
+fn requests_of(requests: &BTreeMap<String, f64>, prefix: &str) -> f64 {
+    requests.iter().filter(|(k, _)| k.starts_with(prefix)).map(|(_, v)| v).sum()
+}
+
+/// The fleet part: one column per run, the API server alone first; per node figures net of it;
+/// the extrapolation to 5 000 nodes.
+fn fleet_section(report: &Report) -> String {
+    let Some(alone) = report.fleet.iter().find(|f| f.proxy == "none") else { return String::new() };
+    let runs: Vec<&FleetRun> = report.fleet.iter().filter(|f| f.proxy != "none").collect();
+    let nodes = runs.first().map_or(0, |f| f.nodes);
+    let mut out = format!("## Fleet: {nodes} nodes against one kube-apiserver (N = {})\n\n", alone.services);
+    out.push_str(FLEET);
+    let _ = write!(out, "\n| | API server alone |");
+    for f in &runs {
+        let _ = write!(out, " {} × {} |", f.proxy, f.nodes);
+    }
+    let _ = write!(out, "\n|---|---:|");
+    for _ in &runs {
+        out.push_str("---:|");
+    }
+    out.push('\n');
+    let mut row = |what: &str, cell: &dyn Fn(&FleetRun) -> String| {
+        let _ = write!(out, "| {what} | {} |", cell(alone));
+        for f in &runs {
+            let _ = write!(out, " {} |", cell(f));
+        }
+        out.push('\n');
+    };
+    let per_node = |f: &FleetRun, value: f64, baseline: f64| if f.nodes == 0 { "—".to_owned() } else { format_value((value - baseline) / f.nodes as f64) };
+    row("Requests while the nodes start (first started → all serving, settled)", &|f| format_value(fleet::total(&f.start_requests)));
+    row("— per node", &|f| per_node(f, fleet::total(&f.start_requests), 0.0));
+    row("Steady state: requests/s", &|f| format_value(fleet::total(&f.steady_rps)));
+    row("— per node, net of the API server alone", &|f| per_node(f, fleet::total(&f.steady_rps), fleet::total(&alone.steady_rps)));
+    row("— of which `GET /version`/s", &|f| format_value(requests_of(&f.steady_rps, "GET /version")));
+    row("Steady state: kube-apiserver CPU, cores", &|f| format_value(f.steady_cpu));
+    row("Steady state: watches open", &|f| format_value(f.steady_watches));
+    row("API server down for, s", &|f| format_value(f.outage_s));
+    row("Connections the nodes opened to the API's address while it was down, per node per minute", &|f| {
+        if f.nodes == 0 { "—".into() } else { format_value(f.outage_connections / f.nodes as f64 / (f.outage_s / 60.0)) }
+    });
+    row("Nodes converged (the Service created after the outage is in their datapath)", &|f| format!("{} / {}", f.converge_s.len(), f.nodes));
+    row("Convergence after `/readyz` is ok again: p50, s", &|f| quantile(&f.converge_s, 0.5));
+    row("Convergence: last node, s", &|f| quantile(&f.converge_s, 1.0));
+    row("Recovery: API server start → last node converged, s", &|f| format_value(f.recovery_s));
+    row("Recovery: requests", &|f| format_value(fleet::total(&f.recovery_requests)));
+    row("— per node, net of the API server alone", &|f| per_node(f, fleet::total(&f.recovery_requests), fleet::total(&alone.recovery_requests)));
+    row("— `LIST` / `GET /version`", &|f| {
+        format!("{} / {}", format_value(requests_of(&f.recovery_requests, "LIST")), format_value(requests_of(&f.recovery_requests, "GET /version")))
+    });
+    row("Recovery: most requests in one second", &|f| format_value(f.recovery_peak_rps));
+    row("Recovery: kube-apiserver CPU s (its own start included)", &|f| format_value(f.recovery_cpu));
+    row("Watches open when the last node converged", &|f| format_value(f.recovery_watches));
+
+    let _ = writeln!(out, "\n### Extrapolated to 5 000 nodes\n");
+    out.push_str(FLEET_5000);
+    let _ = write!(out, "\n| | ");
+    out.push_str(&runs.iter().map(|f| f.proxy.as_str()).collect::<Vec<_>>().join(" | "));
+    let _ = write!(out, " |\n|---|");
+    out.push_str(&"---:|".repeat(runs.len()));
+    out.push('\n');
+    let scale = |f: &FleetRun, value: f64, baseline: f64| if f.nodes == 0 { f64::NAN } else { (value - baseline) / f.nodes as f64 * 5000.0 };
+    let mut row5000 = |what: &str, cell: &dyn Fn(&FleetRun) -> String| {
+        let _ = write!(out, "| {what} |");
+        for f in &runs {
+            let _ = write!(out, " {} |", cell(f));
+        }
+        out.push('\n');
+    };
+    row5000("Steady state: requests/s", &|f| format_value(scale(f, fleet::total(&f.steady_rps), fleet::total(&alone.steady_rps))));
+    row5000("Steady state: `GET /version`/s (ebpf-proxy before commit 1c26db1: one per node every 10 s = 500/s)", &|f| {
+        format_value(scale(f, requests_of(&f.steady_rps, "GET /version"), requests_of(&alone.steady_rps, "GET /version")))
+    });
+    row5000("Connections to the API's address per second while it is down", &|f| format_value(f.outage_connections / f.nodes as f64 / f.outage_s * 5000.0));
+    row5000("Requests after an outage (the relist herd)", &|f| format_value(scale(f, fleet::total(&f.recovery_requests), fleet::total(&alone.recovery_requests))));
+    row5000("— `LIST` requests", &|f| format_value(scale(f, requests_of(&f.recovery_requests, "LIST"), requests_of(&alone.recovery_requests, "LIST"))));
+    row5000("— `GET /version` once it answers (before commit 1c26db1: every 2 s per failing node, 2 500/s)", &|f| {
+        format_value(scale(f, requests_of(&f.recovery_requests, "GET /version"), requests_of(&alone.recovery_requests, "GET /version")))
+    });
+    out.push('\n');
+    out
+}
+
+/// The `q` quantile of `values` (nearest rank), or `—`.
+fn quantile(values: &[f64], q: f64) -> String {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    match sorted.len() {
+        0 => "—".into(),
+        len => format_value(sorted[((len as f64 * q).ceil() as usize).clamp(1, len) - 1]),
+    }
+}
+
+const FLEET: &str = "\
+Many simulated nodes against the same kube-apiserver, one proxy at a time (the node namespaces' own proxies paused). Each \
+node is a network namespace with only its loopback, a forwarder to the API server there, a Node object of its own \
+(`fleet-i`) and its proxy: `ebpf-proxy agent --source kube` (socket-level programs on an empty cgroup of its own, no \
+interface, flow tables of 1 024 entries: no traffic flows) or a real kube-proxy in nftables mode (its informers, hence \
+its requests, are those of iptables mode; nftables programs 1 000 Services in a fraction of the time). Requests are \
+kube-apiserver's own `apiserver_request_total` (by verb and resource; the bench's reads of `/metrics` and `/readyz` left \
+out; a watch is counted when it ends, so open watches are shown apart, from `apiserver_longrunning_requests`), plus \
+`GET /version` from its audit log (a policy that records only that path: non-resource requests are not in \
+`apiserver_request_total`); its CPU time from `/proc`. While the API server is down, each node's forwarder counts the \
+connections the node opens to it (every request, watch or probe attempt is one), as a load balancer in front would. Steady state: a window after the nodes have started and settled. Outage: kube-apiserver \
+is killed (etcd keeps running) and started again after the outage; as soon as it is ready a new Service with 10 endpoints \
+is created, and each node is polled (about every 0.1 to 0.5 s) until that Service is in its datapath (the agent's \
+`ebpf_proxy_services_programmed` has grown by one; kube-proxy's nftables map `service-ips` holds it). The recovery's \
+requests and CPU are those of the new kube-apiserver process from its start until the last node converged. The column \
+\"API server alone\" is the same sequence with no node: the share of every figure that is not the nodes'.\n";
+
+const FLEET_5000: &str = "\
+Linear in the nodes: each node's requests (net of the API server alone) times 5 000. The API server's CPU is not \
+extrapolated: it depends on its cache and on how the requests spread in time, which one machine running the nodes too \
+cannot show. Before commit 1c26db1 every agent sent `GET /version` every 10 s (every 2 s while failing); since, it \
+sends none while its watches are fine (HTTP/2 PINGs and TCP keep-alive find a dead connection), and probes only while \
+a watch is failing (every 2 to 3 s, jittered) to relist as soon as the API answers.\n";

@@ -1,0 +1,437 @@
+//! The fleet: many nodes' proxies against one kube-apiserver, seen from the API server's side.
+//!
+//! Each simulated node is a network namespace with only its loopback, a forwarder to the API
+//! server on that loopback, a Node object of its own (`fleet-i`), and one proxy: the agent
+//! (socket-level programs on a cgroup of its own, no interface, small flow tables) or a real
+//! kube-proxy (what it programs stays in its namespace). No traffic flows: what is measured is
+//! what the nodes ask of the API server, and when each has the cluster's state.
+//!
+//! Per proxy: the requests the nodes' start caused; the API server's requests/s and CPU at
+//! steady state; then the API server is killed for the outage and started again (same etcd), a
+//! new Service is created as soon as it is ready, and each node is timed until that Service is
+//! in its datapath (convergence). The requests the API server served from its start until the
+//! last node converged (the relist herd) and its CPU meanwhile. A run with no node first gives
+//! the API server's own share of each figure (its loopback clients, its start).
+
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use e2e::agent::{Agent, AgentDir};
+use e2e::control_plane::ControlPlane;
+use e2e::forward::Forwarder;
+use e2e::kube_proxy::{self, KubeProxy, Mode};
+use e2e::topology::{Cgroup, Netns};
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{Api, DeleteParams, PostParams};
+use serde::{Deserialize, Serialize};
+
+use super::{check_interrupted, cpu_seconds, Progress, CLUSTER_CIDR, NAMESPACE, NODEPORT_CIDR};
+
+/// Small flow tables: a simulated node carries no traffic, and a hundred agents with the
+/// default tables would hold gigabytes of kernel memory (LRU maps are allocated whole).
+const AGENT_ARGS: &[&str] =
+    &["--map-size-ct=1024", "--map-size-ct6=1024", "--map-size-rev-sock=1024", "--map-size-rev-sock6=1024", "--map-size-affinity=1024"];
+
+/// Non-resource paths the bench itself asks for (and the API server's readiness): left out of
+/// the requests counted.
+const OWN_PATHS: &[&str] = &["/metrics", "/readyz", "/livez", "/healthz"];
+
+/// ClusterIP of the Service created once the API server is back (one per proxy's run).
+const MARKER_IP: &str = "10.96.250.1";
+const MARKER: &str = "fleet-marker";
+
+/// kube-apiserver's audit log of `GET /version` (non-resource requests are not in
+/// `apiserver_request_total`): a policy that records only those, one line per request. The
+/// directory is removed on drop.
+pub struct VersionAudit {
+    dir: std::path::PathBuf,
+}
+
+impl VersionAudit {
+    pub fn new() -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(format!("{}-{}-audit", e2e::PREFIX, e2e::unique_id()));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let policy = "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n\
+                      - level: Metadata\n  nonResourceURLs: [/version, /version/*]\n- level: None\n";
+        std::fs::write(dir.join("policy.yaml"), policy)?;
+        Ok(Self { dir })
+    }
+
+    /// kube-apiserver's flags for it.
+    pub fn apiserver_args(&self) -> Vec<String> {
+        vec![
+            format!("--audit-policy-file={}", self.dir.join("policy.yaml").display()),
+            format!("--audit-log-path={}", self.log().display()),
+            "--audit-log-mode=blocking".into(),
+        ]
+    }
+
+    fn log(&self) -> std::path::PathBuf {
+        self.dir.join("audit.log")
+    }
+
+    /// `GET /version` requests answered so far, every kube-apiserver process included.
+    fn count(&self) -> anyhow::Result<f64> {
+        match std::fs::read_to_string(self.log()) {
+            Ok(text) => Ok(text.lines().filter(|line| line.contains("\"/version")).count() as f64),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(0.0),
+            Err(error) => Err(error).with_context(|| format!("reading {}", self.log().display())),
+        }
+    }
+}
+
+impl Drop for VersionAudit {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// What the fleet part runs.
+pub struct Plan {
+    pub nodes: usize,
+    /// Services (10 endpoints each) in the API while it runs.
+    pub services: usize,
+    pub steady: Duration,
+    pub outage: Duration,
+    /// Nodes not converged this long after the API server is back are counted as such.
+    pub converge_limit: Duration,
+    /// Idle time after the nodes have started, before the steady-state window.
+    pub settle: Duration,
+    pub kinds: Vec<Kind>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// The API server alone: its own share of every figure.
+    None,
+    Ebpf,
+    /// kube-proxy in nftables mode (its informers, hence its requests, are the same in
+    /// iptables mode; nftables programs 1 000 Services in a fraction of iptables' time).
+    KubeProxy,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::None => "none",
+            Kind::Ebpf => "ebpf-proxy",
+            Kind::KubeProxy => "kube-proxy-nftables",
+        }
+    }
+}
+
+/// One proxy's fleet run (or the API server alone: `proxy` = `none`, `nodes` = 0).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct FleetRun {
+    pub proxy: String,
+    pub nodes: usize,
+    pub services: usize,
+    /// Requests the nodes' start caused (first node started → every node serving), by verb and
+    /// resource (`GET /version` for a non-resource path).
+    pub start_requests: BTreeMap<String, f64>,
+    pub steady_s: f64,
+    /// Requests per second at steady state, by verb and resource.
+    pub steady_rps: BTreeMap<String, f64>,
+    /// API server CPU seconds per second at steady state.
+    pub steady_cpu: f64,
+    /// Watches open once the nodes have started (`apiserver_longrunning_requests`).
+    pub steady_watches: f64,
+    pub outage_s: f64,
+    /// Connections the nodes opened to the API server's address while it was down (each an
+    /// attempt: a request, a watch, a probe), counted by their forwarders.
+    pub outage_connections: f64,
+    /// Per converged node: seconds from the API server answering `/readyz` again until the
+    /// Service created then is in its datapath.
+    pub converge_s: Vec<f64>,
+    /// Nodes that had not converged within the limit.
+    pub not_converged: usize,
+    /// Seconds from the API server's start until the last node converged (or the limit).
+    pub recovery_s: f64,
+    /// Requests the API server served in that time, by verb and resource.
+    pub recovery_requests: BTreeMap<String, f64>,
+    /// The most requests in one second of that time (sampled about every second).
+    pub recovery_peak_rps: f64,
+    /// API server CPU seconds in that time, its own start included.
+    pub recovery_cpu: f64,
+    /// Watches open when the last node converged.
+    pub recovery_watches: f64,
+}
+
+/// Total of a by-request map.
+pub fn total(requests: &BTreeMap<String, f64>) -> f64 {
+    requests.values().sum()
+}
+
+/// One simulated node. Fields drop in order: the proxy first, the namespace last.
+struct Member {
+    proxy: MemberProxy,
+    access: Forwarder,
+    netns: Netns,
+}
+
+enum MemberProxy {
+    Agent { agent: Agent, _dir: AgentDir, _cgroup: Cgroup, services_before: f64 },
+    KubeProxy(KubeProxy),
+}
+
+impl Member {
+    /// Whether the marker Service is in this node's datapath: the agent's programmed-Services
+    /// gauge has grown by it, or kube-proxy's nftables map of Service IPs holds it.
+    fn converged(&self) -> bool {
+        match &self.proxy {
+            MemberProxy::Agent { agent, services_before, .. } => {
+                agent.metric("ebpf_proxy_services_programmed").is_ok_and(|now| now > *services_before)
+            }
+            MemberProxy::KubeProxy(_) => {
+                let mut nft = Command::new("nft");
+                if e2e::topology::enter_netns_on_exec(&mut nft, &self.netns.path()).is_err() {
+                    return false;
+                }
+                let element = format!("{{ {MARKER_IP} . tcp . 80 }}");
+                nft.args(["get", "element", "ip", "kube-proxy", "service-ips", &element])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status()
+                    .is_ok_and(|status| status.success())
+            }
+        }
+    }
+
+    /// Remembers what the node holds before the outage (the agent's Services gauge).
+    fn note_state(&mut self) -> anyhow::Result<()> {
+        if let MemberProxy::Agent { agent, services_before, .. } = &mut self.proxy {
+            *services_before = agent.metric("ebpf_proxy_services_programmed")?;
+        }
+        Ok(())
+    }
+}
+
+/// Starts `count` nodes of `kind`; returns when every one serves.
+fn start_members(api: &ControlPlane, kind: Kind, count: usize) -> anyhow::Result<Vec<Member>> {
+    let mut members = Vec::with_capacity(count);
+    for i in 0..count {
+        check_interrupted()?;
+        let id = e2e::unique_id();
+        let node_name = format!("fleet-{i}");
+        let netns = Netns::create(&format!("{}-{id}-fleet", e2e::PREFIX))?;
+        let (access, kubeconfig) = api.access_from(&netns.path(), &format!("fleet-{}-{i}", kind.name()))?;
+        let proxy = match kind {
+            Kind::None => unreachable!("no node runs without a proxy"),
+            Kind::Ebpf => {
+                let cgroup = Cgroup::create(&format!("{}-{id}-fleet", e2e::PREFIX))?;
+                let dir = AgentDir::new(&format!("{id}-fleet"))?;
+                let agent = Agent::start_kube_as(&node_name, &netns.path(), &cgroup.path, &dir, &kubeconfig, AGENT_ARGS)
+                    .with_context(|| format!("starting the agent of {node_name}"))?;
+                MemberProxy::Agent { agent, _dir: dir, _cgroup: cgroup, services_before: 0.0 }
+            }
+            Kind::KubeProxy => MemberProxy::KubeProxy(KubeProxy::start(kube_proxy::Config {
+                mode: Mode::Nftables,
+                netns: netns.path(),
+                kubeconfig,
+                node_name: node_name.clone(),
+                cluster_cidr: CLUSTER_CIDR.into(),
+                nodeport_addresses: NODEPORT_CIDR.into(),
+                log: api.dir.join(format!("{node_name}-{}.log", kind.name())),
+            })?),
+        };
+        members.push(Member { proxy, access, netns });
+    }
+    // kube-proxies are all started first, then waited for (each takes a sync).
+    for (i, member) in members.iter_mut().enumerate() {
+        if let MemberProxy::KubeProxy(proxy) = &mut member.proxy {
+            check_interrupted()?;
+            proxy.wait_healthy(Duration::from_secs(300)).with_context(|| format!("kube-proxy of fleet-{i}"))?;
+        }
+    }
+    Ok(members)
+}
+
+/// `apiserver_request_total` by verb and resource (or non-resource path), the bench's own
+/// paths left out.
+fn requests(api: &ControlPlane, audit: &VersionAudit) -> anyhow::Result<BTreeMap<String, f64>> {
+    let mut by_request = BTreeMap::new();
+    for sample in scrape(api)?.samples.iter().filter(|s| s.metric == "apiserver_request_total") {
+        let label = |name: &str| sample.labels.get(name).unwrap_or_default();
+        let (resource, subresource) = (label("resource"), label("subresource"));
+        let what = match (resource, subresource) {
+            ("", path) if OWN_PATHS.contains(&path) => continue,
+            ("", path) => path.to_owned(),
+            (resource, "") => resource.to_owned(),
+            (resource, sub) => format!("{resource}/{sub}"),
+        };
+        let value = match sample.value {
+            prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) | prometheus_parse::Value::Gauge(v) => v,
+            _ => continue,
+        };
+        *by_request.entry(format!("{} {what}", label("verb"))).or_insert(0.0) += value;
+    }
+    by_request.insert("GET /version".into(), audit.count()?);
+    Ok(by_request)
+}
+
+fn scrape(api: &ControlPlane) -> anyhow::Result<prometheus_parse::Scrape> {
+    let text = api.metrics_text()?;
+    prometheus_parse::Scrape::parse(text.lines().map(|line| Ok(line.to_owned()))).context("parsing kube-apiserver's /metrics")
+}
+
+/// Watches open now (`apiserver_longrunning_requests{verb="WATCH"}`, summed).
+fn open_watches(api: &ControlPlane) -> anyhow::Result<f64> {
+    Ok(scrape(api)?
+        .samples
+        .iter()
+        .filter(|s| s.metric == "apiserver_longrunning_requests" && s.labels.get("verb") == Some("WATCH"))
+        .map(|s| match s.value {
+            prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Untyped(v) => v,
+            _ => 0.0,
+        })
+        .sum())
+}
+
+/// `after - before` per request kind, kinds that did not change left out.
+fn delta(after: &BTreeMap<String, f64>, before: &BTreeMap<String, f64>) -> BTreeMap<String, f64> {
+    after.iter().map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0))).filter(|(_, v)| *v > 0.0).collect()
+}
+
+fn apiserver_cpu(api: &ControlPlane) -> anyhow::Result<f64> {
+    cpu_seconds(api.apiserver_pid().context("kube-apiserver is not running")?)
+}
+
+/// Waits `duration`, one second at a time, so that Ctrl-C is heard.
+fn wait(duration: Duration) -> anyhow::Result<()> {
+    let until = Instant::now() + duration;
+    while let Some(left) = until.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) {
+        check_interrupted()?;
+        std::thread::sleep(left.min(Duration::from_secs(1)));
+    }
+    Ok(())
+}
+
+/// The marker Service and its slice (10 endpoints), created once the API server is back.
+fn create_marker(api: &ControlPlane) -> anyhow::Result<()> {
+    let services: Api<Service> = Api::namespaced(api.client(), NAMESPACE);
+    let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
+    api.block_on(async {
+        services
+            .create(&PostParams::default(), &super::service(MARKER, MARKER_IP, 8080, None))
+            .await
+            .context("creating the marker Service")?;
+        slices.create(&PostParams::default(), &super::slice(MARKER, 8080)).await.context("creating the marker's slice")?;
+        anyhow::Ok(())
+    })
+}
+
+fn delete_marker(api: &ControlPlane) -> anyhow::Result<()> {
+    let services: Api<Service> = Api::namespaced(api.client(), NAMESPACE);
+    let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
+    api.block_on(async {
+        services.delete(MARKER, &DeleteParams::default()).await.context("deleting the marker Service")?;
+        slices.delete(&format!("{MARKER}-pool"), &DeleteParams::default()).await.context("deleting the marker's slice")?;
+        anyhow::Ok(())
+    })
+}
+
+/// Runs the fleet part: the API server alone, then each kind of proxy on `plan.nodes` nodes.
+pub fn measure(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, progress: &mut Progress) -> anyhow::Result<Vec<FleetRun>> {
+    for i in 0..plan.nodes {
+        super::create_node(api, &format!("fleet-{i}"))?;
+    }
+    let mut runs = Vec::new();
+    for &kind in &plan.kinds {
+        let count = if kind == Kind::None { 0 } else { plan.nodes };
+        let mut run = FleetRun { proxy: kind.name().into(), nodes: count, services: plan.services, ..Default::default() };
+        progress.step(&format!("fleet: {count} × {} against one kube-apiserver (N={}): start, steady state", kind.name(), plan.services));
+        let before = requests(api, audit)?;
+        let members = start_members(api, kind, count)?;
+        wait(plan.settle)?;
+        run.start_requests = delta(&requests(api, audit)?, &before);
+        run.steady_watches = open_watches(api)?;
+        eprintln!("    {count} nodes started: {:.0} requests", total(&run.start_requests));
+
+        let (before, cpu_before, t) = (requests(api, audit)?, apiserver_cpu(api)?, Instant::now());
+        wait(plan.steady)?;
+        let (after, cpu_after) = (requests(api, audit)?, apiserver_cpu(api)?);
+        run.steady_s = t.elapsed().as_secs_f64();
+        run.steady_rps = delta(&after, &before).into_iter().map(|(k, v)| (k, v / run.steady_s)).collect();
+        run.steady_cpu = (cpu_after - cpu_before) / run.steady_s;
+        eprintln!("    steady state: {:.2} requests/s, kube-apiserver {:.3} CPU s/s", total(&run.steady_rps), run.steady_cpu);
+
+        progress.step(&format!(
+            "fleet: {count} × {}: kube-apiserver down for {:.0} s, then the relist herd",
+            kind.name(),
+            plan.outage.as_secs_f64()
+        ));
+        let mut members = members;
+        for member in &mut members {
+            member.note_state()?;
+        }
+        recover(api, audit, plan, &members, &mut run)?;
+        eprintln!(
+            "    recovery: {}/{count} nodes converged, the last {:.1} s after the API server was ready; {:.0} requests (peak {:.0}/s), kube-apiserver {:.1} CPU s",
+            run.converge_s.len(),
+            run.converge_s.iter().copied().fold(0.0, f64::max),
+            total(&run.recovery_requests),
+            run.recovery_peak_rps,
+            run.recovery_cpu
+        );
+        delete_marker(api)?;
+        for member in &mut members {
+            if let MemberProxy::KubeProxy(proxy) = &mut member.proxy {
+                // Its rules go with the namespace; `--cleanup` a hundred times would take minutes.
+                proxy.kill();
+            }
+        }
+        drop(members);
+        runs.push(run);
+    }
+    Ok(runs)
+}
+
+/// The outage and what follows it, into `run`.
+fn recover(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, members: &[Member], run: &mut FleetRun) -> anyhow::Result<()> {
+    let connections = || members.iter().map(|m| m.access.connections() as f64).sum::<f64>();
+    let versions_before = audit.count()?;
+    api.stop_apiserver()?;
+    let (down, connections_before) = (Instant::now(), connections());
+    wait(plan.outage)?;
+    run.outage_s = down.elapsed().as_secs_f64();
+    run.outage_connections = connections() - connections_before;
+    let started = Instant::now();
+    api.start_apiserver()?;
+    let ready = Instant::now();
+    create_marker(api)?;
+    let mut pending: Vec<usize> = (0..members.len()).collect();
+    let mut sample = (Instant::now(), total(&requests(api, audit)?));
+    loop {
+        check_interrupted()?;
+        pending.retain(|&i| {
+            let done = members[i].converged();
+            if done {
+                run.converge_s.push(ready.elapsed().as_secs_f64());
+            }
+            !done
+        });
+        let finished = pending.is_empty() || ready.elapsed() >= plan.converge_limit;
+        if finished || sample.0.elapsed() >= Duration::from_secs(1) {
+            let now = total(&requests(api, audit)?);
+            run.recovery_peak_rps = run.recovery_peak_rps.max((now - sample.1) / sample.0.elapsed().as_secs_f64());
+            sample = (Instant::now(), now);
+        }
+        if finished {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    run.not_converged = pending.len();
+    run.recovery_s = started.elapsed().as_secs_f64();
+    // The API server is a new process: its counters and CPU time are all this recovery's.
+    let mut recovered = requests(api, audit)?;
+    recovered.insert("GET /version".into(), audit.count()? - versions_before);
+    recovered.retain(|_, v| *v > 0.0);
+    run.recovery_requests = recovered;
+    run.recovery_cpu = apiserver_cpu(api)?;
+    run.recovery_watches = open_watches(api)?;
+    Ok(())
+}
