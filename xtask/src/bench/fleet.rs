@@ -14,7 +14,6 @@
 //! the API server's own share of each figure (its loopback clients, its start).
 
 use std::collections::BTreeMap;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -158,6 +157,11 @@ pub struct FleetRun {
     pub recovery_cpu: f64,
     /// Watches open when the last node converged.
     pub recovery_watches: f64,
+    /// CPU seconds the nodes' proxies spent from the outage until the last one converged (with
+    /// the children they waited for: kube-proxy's `nft`), all nodes together. They share this
+    /// machine's cores, so a slow recovery may be their own CPU running out.
+    #[serde(default)]
+    pub recovery_node_cpu: f64,
 }
 
 /// Total of a by-request map.
@@ -169,43 +173,39 @@ pub fn total(requests: &BTreeMap<String, f64>) -> f64 {
 struct Member {
     proxy: MemberProxy,
     access: Forwarder,
-    netns: Netns,
+    _netns: Netns,
+    /// [`Member::programmed`] before the outage.
+    before: f64,
 }
 
 enum MemberProxy {
-    Agent { agent: Agent, _dir: AgentDir, _cgroup: Cgroup, services_before: f64 },
+    Agent { agent: Agent, _dir: AgentDir, _cgroup: Cgroup },
     KubeProxy(KubeProxy),
 }
 
 impl Member {
-    /// Whether the marker Service is in this node's datapath: the agent's programmed-Services
-    /// gauge has grown by it, or kube-proxy's nftables map of Service IPs holds it.
-    fn converged(&self) -> bool {
+    /// A figure of the proxy's own `/metrics` that grows once the marker Service is programmed:
+    /// the agent's `ebpf_proxy_services_programmed`; kube-proxy's count of
+    /// `kubeproxy_network_programming_duration_seconds` (the marker's slice carries a trigger
+    /// time; a relist of unchanged slices records nothing). Cheap to read: a hundred `nft`
+    /// listings of a 1 000-Service ruleset take too long to poll.
+    fn pid(&self) -> Option<u32> {
         match &self.proxy {
-            MemberProxy::Agent { agent, services_before, .. } => {
-                agent.metric("ebpf_proxy_services_programmed").is_ok_and(|now| now > *services_before)
-            }
-            MemberProxy::KubeProxy(_) => {
-                let mut nft = Command::new("nft");
-                if e2e::topology::enter_netns_on_exec(&mut nft, &self.netns.path()).is_err() {
-                    return false;
-                }
-                let element = format!("{{ {MARKER_IP} . tcp . 80 }}");
-                nft.args(["get", "element", "ip", "kube-proxy", "service-ips", &element])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status()
-                    .is_ok_and(|status| status.success())
-            }
+            MemberProxy::Agent { agent, .. } => agent.pid(),
+            MemberProxy::KubeProxy(proxy) => proxy.pid(),
         }
     }
 
-    /// Remembers what the node holds before the outage (the agent's Services gauge).
-    fn note_state(&mut self) -> anyhow::Result<()> {
-        if let MemberProxy::Agent { agent, services_before, .. } = &mut self.proxy {
-            *services_before = agent.metric("ebpf_proxy_services_programmed")?;
+    fn programmed(&self) -> anyhow::Result<f64> {
+        match &self.proxy {
+            MemberProxy::Agent { agent, .. } => agent.metric("ebpf_proxy_services_programmed"),
+            MemberProxy::KubeProxy(proxy) => Ok(super::programming_duration(&proxy.metrics()?, "kube-proxy")?.1),
         }
-        Ok(())
+    }
+
+    /// Whether the marker Service is in this node's datapath.
+    fn converged(&self) -> bool {
+        self.programmed().is_ok_and(|now| now > self.before)
     }
 }
 
@@ -225,7 +225,7 @@ fn start_members(api: &ControlPlane, kind: Kind, count: usize) -> anyhow::Result
                 let dir = AgentDir::new(&format!("{id}-fleet"))?;
                 let agent = Agent::start_kube_as(&node_name, &netns.path(), &cgroup.path, &dir, &kubeconfig, AGENT_ARGS)
                     .with_context(|| format!("starting the agent of {node_name}"))?;
-                MemberProxy::Agent { agent, _dir: dir, _cgroup: cgroup, services_before: 0.0 }
+                MemberProxy::Agent { agent, _dir: dir, _cgroup: cgroup }
             }
             Kind::KubeProxy => MemberProxy::KubeProxy(KubeProxy::start(kube_proxy::Config {
                 mode: Mode::Nftables,
@@ -237,7 +237,7 @@ fn start_members(api: &ControlPlane, kind: Kind, count: usize) -> anyhow::Result
                 log: api.dir.join(format!("{node_name}-{}.log", kind.name())),
             })?),
         };
-        members.push(Member { proxy, access, netns });
+        members.push(Member { proxy, access, _netns: netns, before: 0.0 });
     }
     // kube-proxies are all started first, then waited for (each takes a sync).
     for (i, member) in members.iter_mut().enumerate() {
@@ -318,7 +318,10 @@ fn create_marker(api: &ControlPlane) -> anyhow::Result<()> {
             .create(&PostParams::default(), &super::service(MARKER, MARKER_IP, 8080, None))
             .await
             .context("creating the marker Service")?;
-        slices.create(&PostParams::default(), &super::slice(MARKER, 8080)).await.context("creating the marker's slice")?;
+        let mut slice = super::slice(MARKER, 8080);
+        slice.metadata.annotations =
+            Some([("endpoints.kubernetes.io/last-change-trigger-time".to_owned(), super::trigger_time(super::unix_micros()))].into());
+        slices.create(&PostParams::default(), &slice).await.context("creating the marker's slice")?;
         anyhow::Ok(())
     })
 }
@@ -365,7 +368,7 @@ pub fn measure(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, progre
         ));
         let mut members = members;
         for member in &mut members {
-            member.note_state()?;
+            member.before = member.programmed()?;
         }
         recover(api, audit, plan, &members, &mut run)?;
         eprintln!(
@@ -393,6 +396,8 @@ pub fn measure(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, progre
 fn recover(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, members: &[Member], run: &mut FleetRun) -> anyhow::Result<()> {
     let connections = || members.iter().map(|m| m.access.connections() as f64).sum::<f64>();
     let versions_before = audit.count()?;
+    let node_cpu = || -> anyhow::Result<f64> { members.iter().filter_map(Member::pid).map(cpu_seconds).sum() };
+    let node_cpu_before = node_cpu()?;
     api.stop_apiserver()?;
     let (down, connections_before) = (Instant::now(), connections());
     wait(plan.outage)?;
@@ -425,6 +430,7 @@ fn recover(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, members: &
         std::thread::sleep(Duration::from_millis(100));
     }
     run.not_converged = pending.len();
+    run.recovery_node_cpu = node_cpu()? - node_cpu_before;
     run.recovery_s = started.elapsed().as_secs_f64();
     // The API server is a new process: its counters and CPU time are all this recovery's.
     let mut recovered = requests(api, audit)?;

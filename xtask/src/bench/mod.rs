@@ -286,16 +286,7 @@ impl BenchNode {
     /// over its series (kube-proxy labels them by `ip_family`); (0, 0) while it has none
     /// (kube-proxy exports a series from its first observation).
     fn programming_duration(&self) -> anyhow::Result<(f64, f64)> {
-        let text = self.metrics_text()?;
-        let sample = |name: &str| -> anyhow::Result<f64> {
-            let mut total = 0.0;
-            for line in text.lines().filter(|line| line.strip_prefix(name).is_some_and(|rest| rest.starts_with([' ', '{']))) {
-                let value = line.rsplit_once(' ').map_or("", |(_, value)| value);
-                total += value.parse::<f64>().with_context(|| format!("{}: {line:?} in /metrics", self.contender.name()))?;
-            }
-            Ok(total)
-        };
-        Ok((sample(PROGRAMMING_METRIC_SUM)?, sample(PROGRAMMING_METRIC_COUNT)?))
+        programming_duration(&self.metrics_text()?, self.contender.name())
     }
 
     fn iperf_target(&self) -> (String, u16) {
@@ -308,6 +299,21 @@ impl BenchNode {
     fn client_probe(&self) -> anyhow::Result<Command> {
         self.topo.command_in("client", &e2e::bin("epx-probe"))
     }
+}
+
+/// (sum in s, count) of `kubeproxy_network_programming_duration_seconds` in the `/metrics`
+/// text of `who`, over its series (kube-proxy labels them by `ip_family`); (0, 0) while it has
+/// none (kube-proxy exports a series from its first observation).
+fn programming_duration(text: &str, who: &str) -> anyhow::Result<(f64, f64)> {
+    let sample = |name: &str| -> anyhow::Result<f64> {
+        let mut total = 0.0;
+        for line in text.lines().filter(|line| line.strip_prefix(name).is_some_and(|rest| rest.starts_with([' ', '{']))) {
+            let value = line.rsplit_once(' ').map_or("", |(_, value)| value);
+            total += value.parse::<f64>().with_context(|| format!("{who}: {line:?} in /metrics"))?;
+        }
+        Ok(total)
+    };
+    Ok((sample(PROGRAMMING_METRIC_SUM)?, sample(PROGRAMMING_METRIC_COUNT)?))
 }
 
 /// `iperf3 -s` in a backend pod, for the long-stream window; killed on drop.
@@ -850,9 +856,7 @@ fn endpoint_changes(
 /// Sets the endpoints of `service`'s slice to the pool, without `be{without}` if given, with
 /// the change's trigger time `at` (µs since the epoch).
 fn set_pool(api: &ControlPlane, slices: &Api<EndpointSlice>, service: &str, without: Option<u8>, at: u64) -> anyhow::Result<()> {
-    // To the microsecond (RFC 3339 with a fraction, which kube-proxy and ebpf-proxy both parse),
-    // so that the proxies' own network-programming figures are not off by up to a second.
-    let trigger = k8s_openapi::jiff::Timestamp::from_microsecond(at as i64).map(|t| t.to_string()).unwrap_or_default();
+    let trigger = trigger_time(at);
     let patch = serde_json::json!({
         "metadata": { "annotations": { "endpoints.kubernetes.io/last-change-trigger-time": trigger } },
         "endpoints": pool_endpoints(without),
@@ -860,6 +864,13 @@ fn set_pool(api: &ControlPlane, slices: &Api<EndpointSlice>, service: &str, with
     api.block_on(slices.patch(&format!("{service}-pool"), &PatchParams::default(), &Patch::Merge(&patch)))
         .with_context(|| format!("changing the endpoints of {service}"))?;
     Ok(())
+}
+
+/// A slice's `endpoints.kubernetes.io/last-change-trigger-time` for `at` (µs since the epoch):
+/// to the microsecond (RFC 3339 with a fraction, which kube-proxy and ebpf-proxy both parse),
+/// so that the proxies' own network-programming figures are not off by up to a second.
+fn trigger_time(at: u64) -> String {
+    k8s_openapi::jiff::Timestamp::from_microsecond(at as i64).map(|t| t.to_string()).unwrap_or_default()
 }
 
 /// Waits until backend `name` answers on `target` through `node` (within `limit_ms`: a proxy

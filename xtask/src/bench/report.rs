@@ -549,6 +549,7 @@ fn fleet_section(report: &Report) -> String {
     row("Recovery: most requests in one second", &|f| format_value(f.recovery_peak_rps));
     row("Recovery: kube-apiserver CPU s (its own start included)", &|f| format_value(f.recovery_cpu));
     row("Watches open when the last node converged", &|f| format_value(f.recovery_watches));
+    row("CPU s of the nodes' proxies from the outage until the last converged, per node", &|f| per_node(f, f.recovery_node_cpu, 0.0));
 
     let _ = writeln!(out, "\n### Extrapolated to 5 000 nodes\n");
     out.push_str(FLEET_5000);
@@ -601,10 +602,14 @@ out; a watch is counted when it ends, so open watches are shown apart, from `api
 `apiserver_request_total`); its CPU time from `/proc`. While the API server is down, each node's forwarder counts the \
 connections the node opens to it (every request, watch or probe attempt is one), as a load balancer in front would. Steady state: a window after the nodes have started and settled. Outage: kube-apiserver \
 is killed (etcd keeps running) and started again after the outage; as soon as it is ready a new Service with 10 endpoints \
-is created, and each node is polled (about every 0.1 to 0.5 s) until that Service is in its datapath (the agent's \
-`ebpf_proxy_services_programmed` has grown by one; kube-proxy's nftables map `service-ips` holds it). The recovery's \
+is created, and each node's `/metrics` is polled (every node in turn, then 0.1 s of pause) until that Service is in \
+its datapath: the agent's `ebpf_proxy_services_programmed` has grown by one, kube-proxy's count of \
+`kubeproxy_network_programming_duration_seconds` has grown (the new slice carries a trigger time; a relist of \
+unchanged slices records nothing). The recovery's \
 requests and CPU are those of the new kube-apiserver process from its start until the last node converged. The column \
-\"API server alone\" is the same sequence with no node: the share of every figure that is not the nodes'.\n";
+\"API server alone\" is the same sequence with no node: the share of every figure that is not the nodes'. All the nodes \
+share this machine's cores (and the API server's): what they spend recovering is shown per node, and where it is much, \
+a node of its own would converge sooner than here.\n";
 
 const FLEET_5000: &str = "\
 Linear in the nodes: each node's requests (net of the API server alone) times 5 000. The API server's CPU is not \
