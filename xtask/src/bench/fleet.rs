@@ -290,6 +290,19 @@ fn open_watches(api: &ControlPlane) -> anyhow::Result<f64> {
         .sum())
 }
 
+/// The total of [`requests`], asked again (for up to a minute) while the API server is too busy
+/// to answer.
+fn requests_patiently(api: &ControlPlane, audit: &VersionAudit) -> anyhow::Result<f64> {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        match requests(api, audit) {
+            Ok(by_request) => return Ok(total(&by_request)),
+            Err(error) if Instant::now() >= until => return Err(error),
+            Err(_) => check_interrupted()?,
+        }
+    }
+}
+
 /// `after - before` per request kind, kinds that did not change left out.
 fn delta(after: &BTreeMap<String, f64>, before: &BTreeMap<String, f64>) -> BTreeMap<String, f64> {
     after.iter().map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0))).filter(|(_, v)| *v > 0.0).collect()
@@ -337,11 +350,18 @@ fn delete_marker(api: &ControlPlane) -> anyhow::Result<()> {
 }
 
 /// Runs the fleet part: the API server alone, then each kind of proxy on `plan.nodes` nodes.
-pub fn measure(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, progress: &mut Progress) -> anyhow::Result<Vec<FleetRun>> {
+/// Each run is added to `runs` as it completes, so that a report written after a failure keeps
+/// the runs before it.
+pub fn measure(
+    api: &mut ControlPlane,
+    audit: &VersionAudit,
+    plan: &Plan,
+    progress: &mut Progress,
+    runs: &mut Vec<FleetRun>,
+) -> anyhow::Result<()> {
     for i in 0..plan.nodes {
         super::create_node(api, &format!("fleet-{i}"))?;
     }
-    let mut runs = Vec::new();
     for &kind in &plan.kinds {
         let count = if kind == Kind::None { 0 } else { plan.nodes };
         let mut run = FleetRun { proxy: kind.name().into(), nodes: count, services: plan.services, ..Default::default() };
@@ -389,7 +409,7 @@ pub fn measure(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, progre
         drop(members);
         runs.push(run);
     }
-    Ok(runs)
+    Ok(())
 }
 
 /// The outage and what follows it, into `run`.
@@ -408,7 +428,9 @@ fn recover(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, members: &
     let ready = Instant::now();
     create_marker(api)?;
     let mut pending: Vec<usize> = (0..members.len()).collect();
-    let mut sample = (Instant::now(), total(&requests(api, audit)?));
+    // The API server and the machine may be too busy with the herd to answer the bench's own
+    // reads at once: a read that fails is skipped (the next covers the longer interval).
+    let mut sample = (Instant::now(), requests_patiently(api, audit)?);
     loop {
         check_interrupted()?;
         pending.retain(|&i| {
@@ -420,9 +442,10 @@ fn recover(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, members: &
         });
         let finished = pending.is_empty() || ready.elapsed() >= plan.converge_limit;
         if finished || sample.0.elapsed() >= Duration::from_secs(1) {
-            let now = total(&requests(api, audit)?);
-            run.recovery_peak_rps = run.recovery_peak_rps.max((now - sample.1) / sample.0.elapsed().as_secs_f64());
-            sample = (Instant::now(), now);
+            if let Ok(now) = requests(api, audit).map(|r| total(&r)) {
+                run.recovery_peak_rps = run.recovery_peak_rps.max((now - sample.1) / sample.0.elapsed().as_secs_f64());
+                sample = (Instant::now(), now);
+            }
         }
         if finished {
             break;
@@ -433,7 +456,7 @@ fn recover(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, members: &
     run.recovery_node_cpu = node_cpu()? - node_cpu_before;
     run.recovery_s = started.elapsed().as_secs_f64();
     // The API server is a new process: its counters and CPU time are all this recovery's.
-    let mut recovered = requests(api, audit)?;
+    let mut recovered = requests(api, audit).or_else(|_| requests(api, audit))?;
     recovered.insert("GET /version".into(), audit.count()? - versions_before);
     recovered.retain(|_, v| *v > 0.0);
     run.recovery_requests = recovered;

@@ -630,7 +630,7 @@ fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow:
         if let (Some(fleet), Some(audit)) = (fleet.as_ref().filter(|f| f.services == n), &audit) {
             // The node namespaces' proxies are paused: the API server's figures are the fleet's.
             let _paused = Paused::all(nodes.iter().filter_map(BenchNode::pid));
-            report.fleet = fleet::measure(&mut api, audit, fleet, progress).context("the fleet part")?;
+            fleet::measure(&mut api, audit, fleet, progress, &mut report.fleet).context("the fleet part")?;
         }
     }
     drop(nodes);
