@@ -525,7 +525,10 @@ fn fleet_section(report: &Report) -> String {
         }
         out.push('\n');
     };
-    let per_node = |f: &FleetRun, value: f64, baseline: f64| if f.nodes == 0 { "—".to_owned() } else { format_value((value - baseline) / f.nodes as f64) };
+    // Net of the API server alone; a difference below zero is its own requests varying between
+    // the windows (its reconcilers run every 10 s), shown as 0.
+    let per_node =
+        |f: &FleetRun, value: f64, baseline: f64| if f.nodes == 0 { "—".to_owned() } else { format_value(((value - baseline) / f.nodes as f64).max(0.0)) };
     row("Requests while the nodes start (first started → all serving, settled)", &|f| format_value(fleet::total(&f.start_requests)));
     row("— per node", &|f| per_node(f, fleet::total(&f.start_requests), 0.0));
     row("Steady state: requests/s", &|f| format_value(fleet::total(&f.steady_rps)));
@@ -558,7 +561,7 @@ fn fleet_section(report: &Report) -> String {
     let _ = write!(out, " |\n|---|");
     out.push_str(&"---:|".repeat(runs.len()));
     out.push('\n');
-    let scale = |f: &FleetRun, value: f64, baseline: f64| if f.nodes == 0 { f64::NAN } else { (value - baseline) / f.nodes as f64 * 5000.0 };
+    let scale = |f: &FleetRun, value: f64, baseline: f64| if f.nodes == 0 { f64::NAN } else { ((value - baseline) / f.nodes as f64).max(0.0) * 5000.0 };
     let mut row5000 = |what: &str, cell: &dyn Fn(&FleetRun) -> String| {
         let _ = write!(out, "| {what} |");
         for f in &runs {
@@ -612,7 +615,8 @@ share this machine's cores (and the API server's): what they spend recovering is
 a node of its own would converge sooner than here.\n";
 
 const FLEET_5000: &str = "\
-Linear in the nodes: each node's requests (net of the API server alone) times 5 000. The API server's CPU is not \
+Linear in the nodes: each node's requests (net of the API server alone; 0 where the difference is below the API \
+server's own variation between windows) times 5 000. The API server's CPU is not \
 extrapolated: it depends on its cache and on how the requests spread in time, which one machine running the nodes too \
 cannot show. Before commit 1c26db1 every agent sent `GET /version` every 10 s (every 2 s while failing); since, it \
 sends none while its watches are fine (HTTP/2 PINGs and TCP keep-alive find a dead connection), and probes only while \
