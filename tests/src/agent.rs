@@ -61,6 +61,13 @@ impl Drop for AgentDir {
     }
 }
 
+/// Where an agent of its own node keeps its pins, log and state.
+struct Files {
+    bpffs: PathBuf,
+    log: PathBuf,
+    state_dir: PathBuf,
+}
+
 /// A running agent. On drop it is killed and everything it pinned is removed.
 pub struct Agent {
     child: Option<Child>,
@@ -175,21 +182,12 @@ impl Agent {
         netns: &Path,
         extra_args: &[&str],
     ) -> anyhow::Result<Self> {
-        let (healthz_port, metrics_port) = free_ports();
-        let mut agent = Self {
-            child: None,
+        let files = Files {
             bpffs: PathBuf::from(format!("{}-{node_name}", first.bpffs.display())),
-            cgroup: cgroup.to_owned(),
-            healthz_port,
-            metrics_port,
             log: first.log.with_extension(format!("{node_name}.log")),
             state_dir: first.state_dir.with_extension(node_name),
-            source_args: first.source_args.clone(),
-            extra_args: extra_args.iter().map(ToString::to_string).collect(),
-            netns: Some(netns.to_owned()),
-            node_name: node_name.to_owned(),
-            starts: 0,
         };
+        let mut agent = Self::of_node(node_name, netns, cgroup, files, first.source_args.clone(), extra_args);
         agent.restart()?;
         Ok(agent)
     }
@@ -206,24 +204,33 @@ impl Agent {
         kubeconfig: &Path,
         extra_args: &[&str],
     ) -> anyhow::Result<Self> {
-        let (healthz_port, metrics_port) = free_ports();
         let dir_name = dir.dir.file_name().context("agent directory without a name")?.to_string_lossy();
-        let mut agent = Self {
+        let files =
+            Files { bpffs: PathBuf::from(format!("/sys/fs/bpf/{dir_name}")), log: dir.dir.join("agent.log"), state_dir: dir.dir.join("state") };
+        let source_args = vec!["--source=kube".into(), format!("--kubeconfig={}", kubeconfig.display())];
+        let mut agent = Self::of_node(node_name, netns, cgroup, files, source_args, extra_args);
+        agent.restart()?;
+        Ok(agent)
+    }
+
+    /// An agent, not started yet, of node `node_name` in `netns` balancing the sockets of
+    /// `cgroup`, with its own ports.
+    fn of_node(node_name: &str, netns: &Path, cgroup: &Path, files: Files, source_args: Vec<String>, extra_args: &[&str]) -> Self {
+        let (healthz_port, metrics_port) = free_ports();
+        Self {
             child: None,
-            bpffs: PathBuf::from(format!("/sys/fs/bpf/{dir_name}")),
+            bpffs: files.bpffs,
             cgroup: cgroup.to_owned(),
             healthz_port,
             metrics_port,
-            log: dir.dir.join("agent.log"),
-            state_dir: dir.dir.join("state"),
-            source_args: vec!["--source=kube".into(), format!("--kubeconfig={}", kubeconfig.display())],
+            log: files.log,
+            state_dir: files.state_dir,
+            source_args,
             extra_args: extra_args.iter().map(ToString::to_string).collect(),
             netns: Some(netns.to_owned()),
             node_name: node_name.to_owned(),
             starts: 0,
-        };
-        agent.restart()?;
-        Ok(agent)
+        }
     }
 
     /// The value of one sample of `/metrics` (`name` or `name{labels}` exactly as exposed).
