@@ -151,7 +151,8 @@ pub struct FleetRun {
     pub recovery_s: f64,
     /// Requests the API server served in that time, by verb and resource.
     pub recovery_requests: BTreeMap<String, f64>,
-    /// The most requests in one second of that time (sampled about every second).
+    /// The most requests in one second from `/readyz` ok until the last node converged (sampled
+    /// about every second; what came before readiness is in the total only).
     pub recovery_peak_rps: f64,
     /// API server CPU seconds in that time, its own start included.
     pub recovery_cpu: f64,
@@ -367,7 +368,7 @@ pub fn measure(
         let mut run = FleetRun { proxy: kind.name().into(), nodes: count, services: plan.services, ..Default::default() };
         progress.step(&format!("fleet: {count} × {} against one kube-apiserver (N={}): start, steady state", kind.name(), plan.services));
         let before = requests(api, audit)?;
-        let members = start_members(api, kind, count)?;
+        let mut members = start_members(api, kind, count)?;
         wait(plan.settle)?;
         run.start_requests = delta(&requests(api, audit)?, &before);
         run.steady_watches = open_watches(api)?;
@@ -386,7 +387,6 @@ pub fn measure(
             kind.name(),
             plan.outage.as_secs_f64()
         ));
-        let mut members = members;
         for member in &mut members {
             member.before = member.programmed()?;
         }

@@ -549,7 +549,7 @@ fn fleet_section(report: &Report) -> String {
     row("— `LIST` / `GET /version`", &|f| {
         format!("{} / {}", format_value(requests_of(&f.recovery_requests, "LIST")), format_value(requests_of(&f.recovery_requests, "GET /version")))
     });
-    row("Recovery: most requests in one second", &|f| format_value(f.recovery_peak_rps));
+    row("Recovery: most requests in one second after `/readyz` is ok", &|f| format_value(f.recovery_peak_rps));
     row("Recovery: kube-apiserver CPU s (its own start included)", &|f| format_value(f.recovery_cpu));
     row("Watches open when the last node converged", &|f| format_value(f.recovery_watches));
     row("CPU s of the nodes' proxies from the outage until the last converged, per node", &|f| per_node(f, f.recovery_node_cpu, 0.0));
