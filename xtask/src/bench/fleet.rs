@@ -291,15 +291,18 @@ fn open_watches(api: &ControlPlane) -> anyhow::Result<f64> {
         .sum())
 }
 
-/// The total of [`requests`], asked again (for up to a minute) while the API server is too busy
+/// [`requests`], asked again (every 0.2 s, for up to a minute) while the API server is too busy
 /// to answer.
-fn requests_patiently(api: &ControlPlane, audit: &VersionAudit) -> anyhow::Result<f64> {
+fn requests_patiently(api: &ControlPlane, audit: &VersionAudit) -> anyhow::Result<BTreeMap<String, f64>> {
     let until = Instant::now() + Duration::from_secs(60);
     loop {
         match requests(api, audit) {
-            Ok(by_request) => return Ok(total(&by_request)),
+            Ok(by_request) => return Ok(by_request),
             Err(error) if Instant::now() >= until => return Err(error),
-            Err(_) => check_interrupted()?,
+            Err(_) => {
+                check_interrupted()?;
+                std::thread::sleep(Duration::from_millis(200));
+            }
         }
     }
 }
@@ -430,7 +433,7 @@ fn recover(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, members: &
     let mut pending: Vec<usize> = (0..members.len()).collect();
     // The API server and the machine may be too busy with the herd to answer the bench's own
     // reads at once: a read that fails is skipped (the next covers the longer interval).
-    let mut sample = (Instant::now(), requests_patiently(api, audit)?);
+    let mut sample = (Instant::now(), total(&requests_patiently(api, audit)?));
     loop {
         check_interrupted()?;
         pending.retain(|&i| {
@@ -456,7 +459,7 @@ fn recover(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, members: &
     run.recovery_node_cpu = node_cpu()? - node_cpu_before;
     run.recovery_s = started.elapsed().as_secs_f64();
     // The API server is a new process: its counters and CPU time are all this recovery's.
-    let mut recovered = requests(api, audit).or_else(|_| requests(api, audit))?;
+    let mut recovered = requests_patiently(api, audit)?;
     recovered.insert("GET /version".into(), audit.count()? - versions_before);
     recovered.retain(|_, v| *v > 0.0);
     run.recovery_requests = recovered;
