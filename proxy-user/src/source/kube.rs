@@ -283,19 +283,12 @@ impl<K: Stored> KindStore<K> {
 }
 
 /// The events of one kind, each object trimmed and converted to what the store keeps.
-///
-/// Lists ask for `resourceVersion=0` (kube-rs' `ListSemantic::Any`), as client-go's informers
-/// (and so kube-proxy) do: the API server answers from its watch cache in one response, whatever
-/// the page size. kube-rs' default, a consistent read, is served 500 objects a page: 20 LIST
-/// requests per kind and node at 10 000 Services, which every node repeats after an API server
-/// restart. What such a list may lack (a cache a moment behind etcd) the watch that resumes from
-/// the list's resourceVersion delivers next.
 fn watch<K, V>(api: Api<K>, config: watcher::Config) -> BoxStream<'static, Result<watcher::Event<V>, watcher::Error>>
 where
     K: Trim + Clone + DeserializeOwned + Debug + Send + Into<V> + 'static,
     V: Stored,
 {
-    watcher(api, config.any_semantic().timeout(fastrand::u32(WATCH_TIMEOUT_SECS)))
+    watcher(api, config.timeout(fastrand::u32(WATCH_TIMEOUT_SECS)))
         .default_backoff()
         .modify(Trim::trim)
         .map_ok(|event| match event {
