@@ -126,12 +126,7 @@ impl Agent {
         self.child.as_ref().map(Child::id)
     }
 
-    fn start_with_source(
-        topology: &Topology,
-        dir: &AgentDir,
-        source_args: Vec<String>,
-        extra_args: Vec<String>,
-    ) -> anyhow::Result<Self> {
+    fn start_with_source(topology: &Topology, dir: &AgentDir, source_args: Vec<String>, extra_args: Vec<String>) -> anyhow::Result<Self> {
         Self::start_in(topology, dir, source_args, extra_args, None)
     }
 
@@ -175,13 +170,7 @@ impl Agent {
     /// `netns` (that node's namespace) and balances the sockets of `cgroup` (that node's pods),
     /// with its own bpffs directory, state, ports and log, and `extra_args`. Waits until it has
     /// synced.
-    pub fn start_other_node(
-        first: &Agent,
-        node_name: &str,
-        cgroup: &Path,
-        netns: &Path,
-        extra_args: &[&str],
-    ) -> anyhow::Result<Self> {
+    pub fn start_other_node(first: &Agent, node_name: &str, cgroup: &Path, netns: &Path, extra_args: &[&str]) -> anyhow::Result<Self> {
         let files = Files {
             bpffs: PathBuf::from(format!("{}-{node_name}", first.bpffs.display())),
             log: first.log.with_extension(format!("{node_name}.log")),
@@ -205,8 +194,11 @@ impl Agent {
         extra_args: &[&str],
     ) -> anyhow::Result<Self> {
         let dir_name = dir.dir.file_name().context("agent directory without a name")?.to_string_lossy();
-        let files =
-            Files { bpffs: PathBuf::from(format!("/sys/fs/bpf/{dir_name}")), log: dir.dir.join("agent.log"), state_dir: dir.dir.join("state") };
+        let files = Files {
+            bpffs: PathBuf::from(format!("/sys/fs/bpf/{dir_name}")),
+            log: dir.dir.join("agent.log"),
+            state_dir: dir.dir.join("state"),
+        };
         let source_args = vec!["--source=kube".into(), format!("--kubeconfig={}", kubeconfig.display())];
         let mut agent = Self::of_node(node_name, netns, cgroup, files, source_args, extra_args);
         agent.restart()?;
@@ -233,16 +225,12 @@ impl Agent {
         }
     }
 
-    /// The value of one sample of `/metrics` (`name` or `name{labels}` exactly as exposed).
-    pub fn metric(&self, series: &str) -> anyhow::Result<f64> {
+    /// The value of metric `name` in `/metrics` (summed over its series, if it has labels).
+    pub fn metric(&self, name: &str) -> anyhow::Result<f64> {
         let (status, text) = self.get(true, "/metrics")?;
         anyhow::ensure!(status == 200, "/metrics answered {status}: {text}");
-        let value = text
-            .lines()
-            .filter(|line| !line.starts_with('#'))
-            .find_map(|line| line.rsplit_once(' ').filter(|(name, _)| *name == series).map(|(_, value)| value))
-            .with_context(|| format!("no sample {series} in /metrics:\n{text}"))?;
-        Ok(value.parse()?)
+        crate::metrics::sum(&crate::metrics::parse(&text, "the agent")?, name, |_| true)
+            .with_context(|| format!("no sample {name} in /metrics:\n{text}"))
     }
 
     /// Map entries this agent process's syncs wrote or deleted (`/metrics`).
@@ -413,11 +401,7 @@ impl Agent {
             if services.any(|s| s["ip"] == ip && s["port"] == port && s["scope"] == "external") {
                 return;
             }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no external frontend {ip}:{port} after 5 s: {dump:#}\n{}",
-                self.log_text()
-            );
+            assert!(std::time::Instant::now() < deadline, "no external frontend {ip}:{port} after 5 s: {dump:#}\n{}", self.log_text());
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
     }
@@ -462,12 +446,7 @@ pub fn dump(bpffs: &Path) -> anyhow::Result<serde_json::Value> {
 impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.kill();
-        let _ = Command::new(crate::bin("ebpf-proxy"))
-            .arg("cleanup")
-            .arg("--bpffs")
-            .arg(&self.bpffs)
-            .stdout(Stdio::null())
-            .output();
+        let _ = Command::new(crate::bin("ebpf-proxy")).arg("cleanup").arg("--bpffs").arg(&self.bpffs).stdout(Stdio::null()).output();
         if std::thread::panicking() {
             eprintln!("--- ebpf-proxy log ({} starts) ---\n{}", self.starts, self.log_text());
         }

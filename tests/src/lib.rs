@@ -16,6 +16,8 @@
 //! - [`debian_image`]: the `debian:<suite>` base image made with debootstrap, under its official name.
 //! - [`dns`]: a minimal DNS client and resolv.conf reader (`epx-probe dns` in pods).
 //! - [`kube_proxy`]: the real upstream kube-proxy (iptables or nftables mode) in a node namespace.
+//! - [`audit`]: kube-apiserver's audit log, to count requests by who sent them and how.
+//! - [`metrics`]: Prometheus `/metrics` text, parsed.
 //! - [`forward`]: a TCP forwarder from the host's loopback into a namespace, which can black-hole.
 //! - [`packet`]: hand-built Ethernet/IPv4/TCP/UDP frames and a checksum-verifying reader.
 //! - [`bpf_test_run`]: the built TC programs run on such frames with `BPF_PROG_TEST_RUN`.
@@ -26,6 +28,7 @@
 //! never leaves the namespaces created here.
 
 pub mod agent;
+pub mod audit;
 pub mod bpf_test_run;
 pub mod control_plane;
 pub mod daemonset;
@@ -36,6 +39,7 @@ pub mod forward;
 pub mod kube_proxy;
 pub mod probe;
 pub mod kube_scenario;
+pub mod metrics;
 pub mod node;
 pub mod packet;
 pub mod packet6;

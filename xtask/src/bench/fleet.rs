@@ -43,48 +43,22 @@ const MARKER_IP: &str = "10.96.250.1";
 const MARKER: &str = "fleet-marker";
 
 /// kube-apiserver's audit log of `GET /version` (non-resource requests are not in
-/// `apiserver_request_total`): a policy that records only those, one line per request. The
-/// directory is removed on drop.
-pub struct VersionAudit {
-    dir: std::path::PathBuf,
-}
+/// `apiserver_request_total`): a policy that records only those, one line per request.
+pub struct VersionAudit(e2e::audit::Audit);
 
 impl VersionAudit {
     pub fn new() -> anyhow::Result<Self> {
-        let dir = std::env::temp_dir().join(format!("{}-{}-audit", e2e::PREFIX, e2e::unique_id()));
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let policy = "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n\
-                      - level: Metadata\n  nonResourceURLs: [/version, /version/*]\n- level: None\n";
-        std::fs::write(dir.join("policy.yaml"), policy)?;
-        Ok(Self { dir })
+        Ok(Self(e2e::audit::Audit::new("- level: Metadata\n  nonResourceURLs: [/version, /version/*]")?))
     }
 
     /// kube-apiserver's flags for it.
     pub fn apiserver_args(&self) -> Vec<String> {
-        vec![
-            format!("--audit-policy-file={}", self.dir.join("policy.yaml").display()),
-            format!("--audit-log-path={}", self.log().display()),
-            "--audit-log-mode=blocking".into(),
-        ]
-    }
-
-    fn log(&self) -> std::path::PathBuf {
-        self.dir.join("audit.log")
+        self.0.apiserver_args()
     }
 
     /// `GET /version` requests answered so far, every kube-apiserver process included.
     fn count(&self) -> anyhow::Result<f64> {
-        match std::fs::read_to_string(self.log()) {
-            Ok(text) => Ok(text.lines().filter(|line| line.contains("\"/version")).count() as f64),
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(0.0),
-            Err(error) => Err(error).with_context(|| format!("reading {}", self.log().display())),
-        }
-    }
-}
-
-impl Drop for VersionAudit {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
+        Ok(self.0.lines()?.iter().filter(|line| line.contains("\"/version")).count() as f64)
     }
 }
 
@@ -263,32 +237,20 @@ fn requests(api: &ControlPlane, audit: &VersionAudit) -> anyhow::Result<BTreeMap
             (resource, "") => resource.to_owned(),
             (resource, sub) => format!("{resource}/{sub}"),
         };
-        let value = match sample.value {
-            prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) | prometheus_parse::Value::Gauge(v) => v,
-            _ => continue,
-        };
+        let Some(value) = e2e::metrics::value(sample) else { continue };
         *by_request.entry(format!("{} {what}", label("verb"))).or_insert(0.0) += value;
     }
     by_request.insert("GET /version".into(), audit.count()?);
     Ok(by_request)
 }
 
-fn scrape(api: &ControlPlane) -> anyhow::Result<prometheus_parse::Scrape> {
-    let text = api.metrics_text()?;
-    prometheus_parse::Scrape::parse(text.lines().map(|line| Ok(line.to_owned()))).context("parsing kube-apiserver's /metrics")
+fn scrape(api: &ControlPlane) -> anyhow::Result<e2e::metrics::Scrape> {
+    e2e::metrics::parse(&api.metrics_text()?, "kube-apiserver")
 }
 
 /// Watches open now (`apiserver_longrunning_requests{verb="WATCH"}`, summed).
 fn open_watches(api: &ControlPlane) -> anyhow::Result<f64> {
-    Ok(scrape(api)?
-        .samples
-        .iter()
-        .filter(|s| s.metric == "apiserver_longrunning_requests" && s.labels.get("verb") == Some("WATCH"))
-        .map(|s| match s.value {
-            prometheus_parse::Value::Gauge(v) | prometheus_parse::Value::Untyped(v) => v,
-            _ => 0.0,
-        })
-        .sum())
+    Ok(e2e::metrics::sum(&scrape(api)?, "apiserver_longrunning_requests", |labels| labels.get("verb") == Some("WATCH")).unwrap_or(0.0))
 }
 
 /// [`requests`], asked again (every 0.2 s, for up to a minute) while the API server is too busy
