@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use e2e::agent::http_get;
+use e2e::audit::Audit;
 use e2e::kube_scenario::{service, slice, KubeEnv, OTHER_VIP, VIP};
 use e2e::probe::SteadyTraffic;
 
@@ -29,16 +30,9 @@ fn wait_healthz(env: &KubeEnv, status: u16, limit: Duration) -> serde_json::Valu
 fn api_server_stopped_then_black_holed_costs_no_connection() {
     let mut env = KubeEnv::new();
     let outage = Duration::from_secs(60);
-    let traffic = SteadyTraffic::start(
-        &env.topo,
-        "client",
-        &format!("{VIP}:80"),
-        &format!("{VIP}:53"),
-        20,
-        2,
-        outage * 2 + Duration::from_secs(25),
-    )
-    .expect("steady traffic");
+    let traffic =
+        SteadyTraffic::start(&env.topo, "client", &format!("{VIP}:80"), &format!("{VIP}:53"), 20, 2, outage * 2 + Duration::from_secs(25))
+            .expect("steady traffic");
     std::thread::sleep(Duration::from_secs(2));
 
     // 1. The API server process is gone for 60 s.
@@ -73,9 +67,7 @@ fn api_server_stopped_then_black_holed_costs_no_connection() {
 #[test]
 fn changes_made_while_the_agent_is_down_are_applied_when_it_returns() {
     let mut env = KubeEnv::new();
-    env.api
-        .apply(&format!("{}---\n{}", service("other", OTHER_VIP), slice("other", &["10.244.1.12"])))
-        .expect("create other");
+    env.api.apply(&format!("{}---\n{}", service("other", OTHER_VIP), slice("other", &["10.244.1.12"]))).expect("create other");
     env.within(Duration::from_secs(1), "creating Service other", |e| e.frontends().contains(&format!("{OTHER_VIP}:80/TCP")));
 
     env.agent.stop().expect("stop agent");
@@ -93,9 +85,7 @@ fn changes_made_while_the_agent_is_down_are_applied_when_it_returns() {
 #[test]
 fn changes_made_while_the_api_is_black_holed_for_the_agent_are_applied_when_it_answers() {
     let env = KubeEnv::with_agent_access();
-    env.api
-        .apply(&format!("{}---\n{}", service("other", OTHER_VIP), slice("other", &["10.244.1.12"])))
-        .expect("create other");
+    env.api.apply(&format!("{}---\n{}", service("other", OTHER_VIP), slice("other", &["10.244.1.12"]))).expect("create other");
     env.within(Duration::from_secs(1), "creating Service other", |e| e.frontends().contains(&format!("{OTHER_VIP}:80/TCP")));
     let traffic = SteadyTraffic::start(&env.topo, "client", &format!("{VIP}:80"), &format!("{VIP}:53"), 20, 2, Duration::from_secs(40))
         .expect("steady traffic");
@@ -221,7 +211,80 @@ fn an_expired_watch_410_gone_relists_without_removing_any_service() {
     assert_eq!(writes, 0, "the relist rewrote the datapath ({writes} map entries)");
     // And the relisted watches work: a change after it still arrives.
     env.api.delete("v1", "Service", "demo", "svc1").expect("delete svc1");
-    env.within(Duration::from_secs(2), "deleting svc1 after the relist", |e| {
-        !e.frontends().iter().any(|f| f.starts_with("10.96.1.1:"))
-    });
+    env.within(Duration::from_secs(2), "deleting svc1 after the relist", |e| !e.frontends().iter().any(|f| f.starts_with("10.96.1.1:")));
+}
+
+/// Lists of what a node watches, sent by the agent (user `epx-admin`; the API server's own
+/// controllers list Services too, as `system:apiserver`).
+const AGENT_LISTS: &str = "- level: Metadata\n  users: [epx-admin]\n  verbs: [list]\n  resources:\n  \
+                           - {group: \"\", resources: [services, nodes]}\n  - {group: discovery.k8s.io, resources: [endpointslices]}";
+const WATCHED: [&str; 3] = ["services", "endpointslices", "nodes"];
+
+/// The agent's lists recorded after the first `skip` audit lines: (resource, HTTP code, URI).
+fn agent_lists(audit: &Audit, skip: usize) -> Vec<(String, u64, String)> {
+    audit
+        .events_after(skip)
+        .expect("audit log")
+        .iter()
+        .map(|e| {
+            let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+            (text(&e["objectRef"]["resource"]), e["responseStatus"]["code"].as_u64().unwrap_or(0), text(&e["requestURI"]))
+        })
+        .collect()
+}
+
+/// Each watched kind was listed successfully exactly once, in one response from the API
+/// server's cache (`resourceVersion=0`, no page size).
+fn assert_one_list_each(lists: &[(String, u64, String)], when: &str) {
+    for resource in WATCHED {
+        let answered: Vec<_> = lists.iter().filter(|(r, code, _)| r == resource && *code == 200).collect();
+        assert_eq!(answered.len(), 1, "{when}: {resource} listed in {} answered requests: {lists:#?}", answered.len());
+        let uri = &answered[0].2;
+        assert!(
+            uri.contains("resourceVersion=0") && !uri.contains("limit="),
+            "{when}: {resource} not listed from the cache in one page: {uri}"
+        );
+    }
+}
+
+#[test]
+fn each_kind_is_listed_in_one_request_at_start_and_after_the_api_server_restarts() {
+    let audit = Audit::new(AGENT_LISTS).expect("audit policy");
+    let args = audit.apiserver_args();
+    let mut env = KubeEnv::with_apiserver_args(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    // More Services and slices than kube-rs' default page of 500 objects.
+    let count = 600;
+    let objects: Vec<String> = (0..count)
+        .flat_map(|i| {
+            let name = format!("many{i}");
+            [service(&name, &format!("10.96.{}.{}", 100 + i / 250, 1 + i % 250)), slice(&name, &["10.244.1.11"])]
+        })
+        .collect();
+    env.api.apply(&objects.join("---\n")).expect("create 600 Services");
+    let programmed = |e: &KubeEnv| e.agent.metric("ebpf_proxy_services_programmed").expect("metrics") as usize;
+    // web and the API server's own kubernetes Service besides.
+    env.within(Duration::from_secs(60), "programming 600 more Services", |e| programmed(e) == count + 2);
+
+    // A node that starts lists each kind once.
+    let skip = audit.lines().expect("audit log").len();
+    env.agent.stop().expect("stop agent");
+    env.agent.restart().expect("agent back");
+    let at_start = agent_lists(&audit, skip);
+    eprintln!("lists at start: {at_start:#?}");
+    assert_one_list_each(&at_start, "agent start");
+    assert_eq!(at_start.len(), WATCHED.len(), "lists that failed at start: {at_start:#?}");
+
+    // The API server restarts (SIGKILL): its cache is filled again from etcd while the node
+    // relists. A list that comes before the cache is ready is refused (429) and retried.
+    let skip = audit.lines().expect("audit log").len();
+    env.api.stop_apiserver().expect("stop apiserver");
+    wait_healthz(&env, 503, Duration::from_secs(15));
+    env.api.start_apiserver().expect("start apiserver");
+    wait_healthz(&env, 200, Duration::from_secs(60));
+    let relists = agent_lists(&audit, skip);
+    eprintln!("lists after the restart: {relists:#?}");
+    assert_one_list_each(&relists, "relist");
+    assert_eq!(programmed(&env), count + 2);
+    let web = env.tcp(&format!("{VIP}:80"), 20);
+    assert_eq!(web.failed, 0, "{web:?}");
 }

@@ -68,8 +68,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
     let config = match kubeconfig {
         Some(path) => {
-            let file = kube::config::Kubeconfig::read_from(path)
-                .with_context(|| format!("reading --kubeconfig {}", path.display()))?;
+            let file = kube::config::Kubeconfig::read_from(path).with_context(|| format!("reading --kubeconfig {}", path.display()))?;
             Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
                 .await
                 .with_context(|| format!("using --kubeconfig {}", path.display()))?
@@ -283,11 +282,20 @@ impl<K: Stored> KindStore<K> {
 }
 
 /// The events of one kind, each object trimmed and converted to what the store keeps.
+///
+/// Each list asks for `resourceVersion=0` without a page size, as kube-proxy's informers do: the
+/// API server answers it from its watch cache in one response, whatever the number of objects.
+/// kube-rs' default is a consistent read paged by 500 (3 requests per kind at 1 000 Services),
+/// and kube-core leaves `resourceVersion=0` out of any list that has a page size, so both
+/// settings are needed. A restarted API server whose cache is not filled yet answers such a list
+/// with `429` and Retry-After instead of reading etcd page by page; the watcher's backoff and the
+/// probe below retry it (`api_outage` counts the lists).
 fn watch<K, V>(api: Api<K>, config: watcher::Config) -> BoxStream<'static, Result<watcher::Event<V>, watcher::Error>>
 where
     K: Trim + Clone + DeserializeOwned + Debug + Send + Into<V> + 'static,
     V: Stored,
 {
+    let config = watcher::Config { page_size: None, ..config.any_semantic() };
     watcher(api, config.timeout(fastrand::u32(WATCH_TIMEOUT_SECS)))
         .default_backoff()
         .modify(Trim::trim)
@@ -388,8 +396,7 @@ impl Stores {
         let changed = dirty
             .into_iter()
             .map(|service| {
-                let objects =
-                    ServiceObjects { services: self.services.of_service(&service), slices: self.slices.of_service(&service) };
+                let objects = ServiceObjects { services: self.services.of_service(&service), slices: self.slices.of_service(&service) };
                 (service, objects)
             })
             .collect();
