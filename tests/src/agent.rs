@@ -126,7 +126,12 @@ impl Agent {
         self.child.as_ref().map(Child::id)
     }
 
-    fn start_with_source(topology: &Topology, dir: &AgentDir, source_args: Vec<String>, extra_args: Vec<String>) -> anyhow::Result<Self> {
+    fn start_with_source(
+        topology: &Topology,
+        dir: &AgentDir,
+        source_args: Vec<String>,
+        extra_args: Vec<String>,
+    ) -> anyhow::Result<Self> {
         Self::start_in(topology, dir, source_args, extra_args, None)
     }
 
@@ -170,7 +175,13 @@ impl Agent {
     /// `netns` (that node's namespace) and balances the sockets of `cgroup` (that node's pods),
     /// with its own bpffs directory, state, ports and log, and `extra_args`. Waits until it has
     /// synced.
-    pub fn start_other_node(first: &Agent, node_name: &str, cgroup: &Path, netns: &Path, extra_args: &[&str]) -> anyhow::Result<Self> {
+    pub fn start_other_node(
+        first: &Agent,
+        node_name: &str,
+        cgroup: &Path,
+        netns: &Path,
+        extra_args: &[&str],
+    ) -> anyhow::Result<Self> {
         let files = Files {
             bpffs: PathBuf::from(format!("{}-{node_name}", first.bpffs.display())),
             log: first.log.with_extension(format!("{node_name}.log")),
@@ -194,11 +205,8 @@ impl Agent {
         extra_args: &[&str],
     ) -> anyhow::Result<Self> {
         let dir_name = dir.dir.file_name().context("agent directory without a name")?.to_string_lossy();
-        let files = Files {
-            bpffs: PathBuf::from(format!("/sys/fs/bpf/{dir_name}")),
-            log: dir.dir.join("agent.log"),
-            state_dir: dir.dir.join("state"),
-        };
+        let files =
+            Files { bpffs: PathBuf::from(format!("/sys/fs/bpf/{dir_name}")), log: dir.dir.join("agent.log"), state_dir: dir.dir.join("state") };
         let source_args = vec!["--source=kube".into(), format!("--kubeconfig={}", kubeconfig.display())];
         let mut agent = Self::of_node(node_name, netns, cgroup, files, source_args, extra_args);
         agent.restart()?;
@@ -401,7 +409,11 @@ impl Agent {
             if services.any(|s| s["ip"] == ip && s["port"] == port && s["scope"] == "external") {
                 return;
             }
-            assert!(std::time::Instant::now() < deadline, "no external frontend {ip}:{port} after 5 s: {dump:#}\n{}", self.log_text());
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no external frontend {ip}:{port} after 5 s: {dump:#}\n{}",
+                self.log_text()
+            );
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
     }
@@ -446,7 +458,12 @@ pub fn dump(bpffs: &Path) -> anyhow::Result<serde_json::Value> {
 impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.kill();
-        let _ = Command::new(crate::bin("ebpf-proxy")).arg("cleanup").arg("--bpffs").arg(&self.bpffs).stdout(Stdio::null()).output();
+        let _ = Command::new(crate::bin("ebpf-proxy"))
+            .arg("cleanup")
+            .arg("--bpffs")
+            .arg(&self.bpffs)
+            .stdout(Stdio::null())
+            .output();
         if std::thread::panicking() {
             eprintln!("--- ebpf-proxy log ({} starts) ---\n{}", self.starts, self.log_text());
         }

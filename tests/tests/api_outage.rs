@@ -30,9 +30,16 @@ fn wait_healthz(env: &KubeEnv, status: u16, limit: Duration) -> serde_json::Valu
 fn api_server_stopped_then_black_holed_costs_no_connection() {
     let mut env = KubeEnv::new();
     let outage = Duration::from_secs(60);
-    let traffic =
-        SteadyTraffic::start(&env.topo, "client", &format!("{VIP}:80"), &format!("{VIP}:53"), 20, 2, outage * 2 + Duration::from_secs(25))
-            .expect("steady traffic");
+    let traffic = SteadyTraffic::start(
+        &env.topo,
+        "client",
+        &format!("{VIP}:80"),
+        &format!("{VIP}:53"),
+        20,
+        2,
+        outage * 2 + Duration::from_secs(25),
+    )
+    .expect("steady traffic");
     std::thread::sleep(Duration::from_secs(2));
 
     // 1. The API server process is gone for 60 s.
@@ -67,7 +74,9 @@ fn api_server_stopped_then_black_holed_costs_no_connection() {
 #[test]
 fn changes_made_while_the_agent_is_down_are_applied_when_it_returns() {
     let mut env = KubeEnv::new();
-    env.api.apply(&format!("{}---\n{}", service("other", OTHER_VIP), slice("other", &["10.244.1.12"]))).expect("create other");
+    env.api
+        .apply(&format!("{}---\n{}", service("other", OTHER_VIP), slice("other", &["10.244.1.12"])))
+        .expect("create other");
     env.within(Duration::from_secs(1), "creating Service other", |e| e.frontends().contains(&format!("{OTHER_VIP}:80/TCP")));
 
     env.agent.stop().expect("stop agent");
@@ -85,7 +94,9 @@ fn changes_made_while_the_agent_is_down_are_applied_when_it_returns() {
 #[test]
 fn changes_made_while_the_api_is_black_holed_for_the_agent_are_applied_when_it_answers() {
     let env = KubeEnv::with_agent_access();
-    env.api.apply(&format!("{}---\n{}", service("other", OTHER_VIP), slice("other", &["10.244.1.12"]))).expect("create other");
+    env.api
+        .apply(&format!("{}---\n{}", service("other", OTHER_VIP), slice("other", &["10.244.1.12"])))
+        .expect("create other");
     env.within(Duration::from_secs(1), "creating Service other", |e| e.frontends().contains(&format!("{OTHER_VIP}:80/TCP")));
     let traffic = SteadyTraffic::start(&env.topo, "client", &format!("{VIP}:80"), &format!("{VIP}:53"), 20, 2, Duration::from_secs(40))
         .expect("steady traffic");
@@ -211,7 +222,9 @@ fn an_expired_watch_410_gone_relists_without_removing_any_service() {
     assert_eq!(writes, 0, "the relist rewrote the datapath ({writes} map entries)");
     // And the relisted watches work: a change after it still arrives.
     env.api.delete("v1", "Service", "demo", "svc1").expect("delete svc1");
-    env.within(Duration::from_secs(2), "deleting svc1 after the relist", |e| !e.frontends().iter().any(|f| f.starts_with("10.96.1.1:")));
+    env.within(Duration::from_secs(2), "deleting svc1 after the relist", |e| {
+        !e.frontends().iter().any(|f| f.starts_with("10.96.1.1:"))
+    });
 }
 
 /// Lists of what a node watches, sent by the agent (user `epx-admin`; the API server's own

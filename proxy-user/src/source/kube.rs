@@ -68,7 +68,8 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
     let config = match kubeconfig {
         Some(path) => {
-            let file = kube::config::Kubeconfig::read_from(path).with_context(|| format!("reading --kubeconfig {}", path.display()))?;
+            let file = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading --kubeconfig {}", path.display()))?;
             Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
                 .await
                 .with_context(|| format!("using --kubeconfig {}", path.display()))?
@@ -396,7 +397,8 @@ impl Stores {
         let changed = dirty
             .into_iter()
             .map(|service| {
-                let objects = ServiceObjects { services: self.services.of_service(&service), slices: self.slices.of_service(&service) };
+                let objects =
+                    ServiceObjects { services: self.services.of_service(&service), slices: self.slices.of_service(&service) };
                 (service, objects)
             })
             .collect();

@@ -35,6 +35,7 @@ use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 
 use report::{Figure, Report};
 
+
 const NAMESPACE: &str = "bench";
 const BACKENDS: u8 = 10;
 const NODE_PORT: u16 = 30080;
@@ -55,7 +56,11 @@ const NODEPORT_CIDR: &str = "192.168.240.0/24";
 /// The agent's `--node-name` (the test harness's default) and its Node object.
 const EBPF_NODE: &str = "node-1";
 /// Map sizes that hold 30 000 Services × 10 endpoints (see the report's set-up).
-const AGENT_ARGS: &[&str] = &["--interfaces=ext0", "--nodeport-addresses=192.168.240.0/24", "--map-size-services=1048576"];
+const AGENT_ARGS: &[&str] = &[
+    "--interfaces=ext0",
+    "--nodeport-addresses=192.168.240.0/24",
+    "--map-size-services=1048576",
+];
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -101,8 +106,7 @@ enum Contender {
 }
 
 impl Contender {
-    const ALL: [Contender; 4] =
-        [Contender::NoProxy, Contender::Ebpf, Contender::KubeProxy(Mode::Iptables), Contender::KubeProxy(Mode::Nftables)];
+    const ALL: [Contender; 4] = [Contender::NoProxy, Contender::Ebpf, Contender::KubeProxy(Mode::Iptables), Contender::KubeProxy(Mode::Nftables)];
 
     /// The proxies named (`ebpf-proxy`, `kube-proxy-iptables`, `kube-proxy-nftables`), after
     /// the no-proxy baseline; all of them without names.
@@ -432,8 +436,7 @@ pub fn run(options: &Options) -> anyhow::Result<()> {
     let proxies = contenders.len() - 1;
     let fleet = fleet_plan(options, &scales, &contenders);
     let fleet_steps = fleet.as_ref().map_or(0, |f| 2 * f.kinds.len());
-    let mut progress =
-        Progress { started, done: 0, total: 3 + fleet_steps + scales.len() * (3 + proxies + rounds as usize * contenders.len()) };
+    let mut progress = Progress { started, done: 0, total: 3 + fleet_steps + scales.len() * (3 + proxies + rounds as usize * contenders.len()) };
     if options.contenders.is_some() {
         report.run.contenders = contenders.iter().map(|c| c.name().to_owned()).collect();
     }
@@ -545,8 +548,7 @@ fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow:
                 None => {
                     // Not programmed within the limit: it is left out from here on (this N's
                     // windows and every larger N), and the report says so.
-                    let what =
-                        format!("the newest Service did not answer within {cold_start_limit:?} of its cold start; left out at N ≥ {n}");
+                    let what = format!("the newest Service did not answer within {cold_start_limit:?} of its cold start; left out at N ≥ {n}");
                     eprintln!("    {what}");
                     report.run.dropped.push(report::Dropped { n, contender: name.into(), why: what });
                     node.kill();
@@ -574,20 +576,12 @@ fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow:
                     let stolen = (steal_seconds()? - steal_before) / (t.elapsed().as_secs_f64() * cores());
                     if stolen <= 0.05 || attempt == 2 {
                         if stolen > 0.05 {
-                            report.run.notes.push(format!(
-                                "N={n} {name} round {}: {:.0} % of the CPU time stolen by the hypervisor even on the third try",
-                                round + 1,
-                                stolen * 100.0
-                            ));
+                            report.run.notes.push(format!("N={n} {name} round {}: {:.0} % of the CPU time stolen by the hypervisor even on the third try", round + 1, stolen * 100.0));
                         }
                         break windows;
                     }
                     attempt += 1;
-                    report.run.notes.push(format!(
-                        "N={n} {name} round {}: measured again ({:.0} % of the CPU time stolen by the hypervisor)",
-                        round + 1,
-                        stolen * 100.0
-                    ));
+                    report.run.notes.push(format!("N={n} {name} round {}: measured again ({:.0} % of the CPU time stolen by the hypervisor)", round + 1, stolen * 100.0));
                     eprintln!("    {:.0} % of the CPU time was stolen by the hypervisor: measuring this round again", stolen * 100.0);
                 };
                 for (metric, value) in windows.values {
@@ -604,35 +598,18 @@ fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow:
 
         check_interrupted()?;
         progress.step(&format!("N={n}: {changes} endpoint removals, timed until no new connection reaches the endpoint"));
-        for (contender, latencies, programming) in
-            endpoint_changes(&api, &nodes, n, changes).with_context(|| format!("endpoint changes at N={n}"))?
-        {
+        for (contender, latencies, programming) in endpoint_changes(&api, &nodes, n, changes).with_context(|| format!("endpoint changes at N={n}"))? {
             eprintln!("    {contender}: its own network_programming_duration_seconds over these changes: mean {programming:.0} ms");
             report.figures.push(figure(n, contender, "programming_mean", vec![programming]));
             let mut sorted = latencies.clone();
             sorted.sort_by(|a, b| a.total_cmp(b));
             let at = |q: f64| sorted[((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1];
             eprintln!("    {contender}: p50 {:.0} ms, p99 {:.0} ms", at(0.5), at(0.99));
-            report.figures.push(Figure {
-                n,
-                contender: contender.into(),
-                metric: "endpoint_change_p50".into(),
-                value: at(0.5),
-                samples: latencies.clone(),
-            });
-            report.figures.push(Figure {
-                n,
-                contender: contender.into(),
-                metric: "endpoint_change_p99".into(),
-                value: at(0.99),
-                samples: latencies,
-            });
+            report.figures.push(Figure { n, contender: contender.into(), metric: "endpoint_change_p50".into(), value: at(0.5), samples: latencies.clone() });
+            report.figures.push(Figure { n, contender: contender.into(), metric: "endpoint_change_p99".into(), value: at(0.99), samples: latencies });
         }
         check_interrupted()?;
-        progress.step(&format!(
-            "N={n}: {:.0} s of endpoint churn ({CHURN_PER_SECOND} changes/s), every proxy running",
-            churn_time.as_secs_f64()
-        ));
+        progress.step(&format!("N={n}: {:.0} s of endpoint churn ({CHURN_PER_SECOND} changes/s), every proxy running", churn_time.as_secs_f64()));
         for (contender, cpu, rss) in churn(&api, &nodes, n, churn_time).with_context(|| format!("endpoint churn at N={n}"))? {
             eprintln!("    {contender}: {cpu:.2} CPU s per 100 changes, peak RSS {rss:.1} MiB");
             report.figures.push(figure(n, contender, "churn_cpu", vec![cpu]));
@@ -796,19 +773,29 @@ fn pool_endpoints(without: Option<u8>) -> Vec<Endpoint> {
 /// start of their own turn (a first change that is not counted). Returns per contender the
 /// latencies (ms) and the mean of its own network-programming figure over its turn's changes
 /// (ms; NaN if it recorded none).
-fn endpoint_changes(api: &ControlPlane, nodes: &[BenchNode], n: usize, changes: u32) -> anyhow::Result<Vec<(&'static str, Vec<f64>, f64)>> {
+fn endpoint_changes(
+    api: &ControlPlane,
+    nodes: &[BenchNode],
+    n: usize,
+    changes: u32,
+) -> anyhow::Result<Vec<(&'static str, Vec<f64>, f64)>> {
     use std::io::{BufRead, BufReader};
     let removed_name = format!("be{CHANGED}");
     let service = format!("bench-{}", n - 1);
     let target = format!("{}:80", service_ip(n - 1));
     let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
     let proxies: Vec<&BenchNode> = nodes.iter().filter(|node| node.measured_proxy()).collect();
-    let mut latencies: Vec<(&'static str, Vec<f64>, f64)> =
-        proxies.iter().map(|node| (node.contender.name(), Vec::new(), f64::NAN)).collect();
+    let mut latencies: Vec<(&'static str, Vec<f64>, f64)> = proxies.iter().map(|node| (node.contender.name(), Vec::new(), f64::NAN)).collect();
     let set_endpoints = |without: Option<u8>, at: u64| set_pool(api, &slices, &service, without, at);
     let routed_again = |node: &BenchNode, limit_ms: &str| routed_to(node, &target, &removed_name, limit_ms);
     for (turn, node) in proxies.iter().enumerate() {
-        let _paused = Paused::all(proxies.iter().enumerate().filter(|(other, _)| *other != turn).filter_map(|(_, p)| p.pid()));
+        let _paused = Paused::all(
+            proxies
+                .iter()
+                .enumerate()
+                .filter(|(other, _)| *other != turn)
+                .filter_map(|(_, p)| p.pid()),
+        );
         routed_again(node, "120000")?;
         // The first change of a turn is not counted: a proxy that was paused catches up on
         // the changes of the others' turns (kube-proxy in one sync, which also records their
@@ -883,8 +870,11 @@ fn trigger_time(at: u64) -> String {
 /// Waits until backend `name` answers on `target` through `node` (within `limit_ms`: a proxy
 /// that was paused or busy catches up first).
 fn routed_to(node: &BenchNode, target: &str, name: &str, limit_ms: &str) -> anyhow::Result<()> {
-    let status =
-        node.client_probe()?.args(["wait", "--to", target, "--name", name, "--limit-ms", limit_ms]).stdin(Stdio::null()).status()?;
+    let status = node
+        .client_probe()?
+        .args(["wait", "--to", target, "--name", name, "--limit-ms", limit_ms])
+        .stdin(Stdio::null())
+        .status()?;
     if !status.success() {
         bail!("{}: {name} did not come back on {target} within {limit_ms} ms", node.contender.name());
     }
@@ -898,8 +888,11 @@ fn routed_to(node: &BenchNode, target: &str, name: &str, limit_ms: &str) -> anyh
 fn churn(api: &ControlPlane, nodes: &[BenchNode], n: usize, duration: Duration) -> anyhow::Result<Vec<(&'static str, f64, f64)>> {
     let service = format!("bench-{}", n - 1);
     let slices: Api<EndpointSlice> = Api::namespaced(api.client(), NAMESPACE);
-    let proxies: Vec<(&'static str, u32)> =
-        nodes.iter().filter(|node| node.measured_proxy()).filter_map(|node| Some((node.contender.name(), node.pid()?))).collect();
+    let proxies: Vec<(&'static str, u32)> = nodes
+        .iter()
+        .filter(|node| node.measured_proxy())
+        .filter_map(|node| Some((node.contender.name(), node.pid()?)))
+        .collect();
     let cpu_before: Vec<f64> = proxies.iter().map(|(_, pid)| cpu_seconds(*pid)).collect::<anyhow::Result<_>>()?;
     let mut peak = vec![0.0f64; proxies.len()];
     let started = Instant::now();
@@ -1045,10 +1038,7 @@ fn create_node(api: &ControlPlane, name: &str) -> anyhow::Result<()> {
             ..Default::default()
         };
         let patch = serde_json::json!({ "status": status });
-        nodes
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .with_context(|| format!("setting the address of Node {name}"))?;
+        nodes.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await.with_context(|| format!("setting the address of Node {name}"))?;
         anyhow::Ok(())
     })
 }
@@ -1104,10 +1094,7 @@ fn create_http_service(api: &ControlPlane) -> anyhow::Result<()> {
     api.block_on(async {
         services.create(&PostParams::default(), &service("bench-http", HTTP_VIP, 8081, None)).await.context("creating bench-http")?;
         slices.create(&PostParams::default(), &slice("bench-http", 8081)).await.context("creating bench-http's slice")?;
-        services
-            .create(&PostParams::default(), &service("bench-iperf", IPERF_VIP, i32::from(IPERF_PORT), None))
-            .await
-            .context("creating bench-iperf")?;
+        services.create(&PostParams::default(), &service("bench-iperf", IPERF_VIP, i32::from(IPERF_PORT), None)).await.context("creating bench-iperf")?;
         let mut iperf = slice("bench-iperf", i32::from(IPERF_PORT));
         iperf.endpoints.truncate(1);
         slices.create(&PostParams::default(), &iperf).await.context("creating bench-iperf's slice")?;
@@ -1127,14 +1114,8 @@ fn create_services(api: &ControlPlane, from: usize, to: usize) -> anyhow::Result
                     check_interrupted()?;
                     let name = format!("bench-{i}");
                     let node_port = (i == 0).then_some(NODE_PORT);
-                    services
-                        .create(&PostParams::default(), &service(&name, &service_ip(i), 8080, node_port))
-                        .await
-                        .with_context(|| format!("creating Service {name}"))?;
-                    slices
-                        .create(&PostParams::default(), &slice(&name, 8080))
-                        .await
-                        .with_context(|| format!("creating the slice of {name}"))?;
+                    services.create(&PostParams::default(), &service(&name, &service_ip(i), 8080, node_port)).await.with_context(|| format!("creating Service {name}"))?;
+                    slices.create(&PostParams::default(), &slice(&name, 8080)).await.with_context(|| format!("creating the slice of {name}"))?;
                     anyhow::Ok(())
                 }
             })
@@ -1154,10 +1135,7 @@ fn machine() -> std::collections::BTreeMap<String, String> {
     let mut m = std::collections::BTreeMap::new();
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo.lines().find_map(|l| l.strip_prefix("model name")).map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned());
-    m.insert(
-        "CPU".into(),
-        format!("{} × {}", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), model.unwrap_or_default()),
-    );
+    m.insert("CPU".into(), format!("{} × {}", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0), model.unwrap_or_default()));
     let mem = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let total = mem.lines().next().and_then(|l| l.split_whitespace().nth(1)).and_then(|k| k.parse::<f64>().ok()).unwrap_or(0.0);
     m.insert("memory".into(), format!("{:.1} GiB", total / 1024.0 / 1024.0));
@@ -1172,13 +1150,8 @@ fn versions() -> anyhow::Result<std::collections::BTreeMap<String, String>> {
     v.insert("kube-proxy".into(), String::from_utf8_lossy(&kp.stdout).trim().to_owned());
     let rev = Command::new("git").args(["-C", &crate::workspace_root().display().to_string(), "describe", "--always", "--dirty"]).output();
     v.insert("ebpf-proxy".into(), format!("git {}", rev.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default()));
-    let nft =
-        Command::new("nft").arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
-    let ipt = Command::new("iptables")
-        .arg("--version")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .unwrap_or_default();
+    let nft = Command::new("nft").arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
+    let ipt = Command::new("iptables").arg("--version").output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
     v.insert("nft".into(), nft);
     v.insert("iptables".into(), ipt);
     Ok(v)
