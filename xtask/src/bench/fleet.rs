@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use e2e::agent::{Agent, AgentDir};
+use e2e::audit::Audit;
 use e2e::control_plane::ControlPlane;
 use e2e::forward::Forwarder;
 use e2e::kube_proxy::{self, KubeProxy, Mode};
@@ -44,22 +45,13 @@ const MARKER: &str = "fleet-marker";
 
 /// kube-apiserver's audit log of `GET /version` (non-resource requests are not in
 /// `apiserver_request_total`): a policy that records only those, one line per request.
-pub struct VersionAudit(e2e::audit::Audit);
+pub fn version_audit() -> anyhow::Result<Audit> {
+    Audit::new("- level: Metadata\n  nonResourceURLs: [/version, /version/*]")
+}
 
-impl VersionAudit {
-    pub fn new() -> anyhow::Result<Self> {
-        Ok(Self(e2e::audit::Audit::new("- level: Metadata\n  nonResourceURLs: [/version, /version/*]")?))
-    }
-
-    /// kube-apiserver's flags for it.
-    pub fn apiserver_args(&self) -> Vec<String> {
-        self.0.apiserver_args()
-    }
-
-    /// `GET /version` requests answered so far, every kube-apiserver process included.
-    fn count(&self) -> anyhow::Result<f64> {
-        Ok(self.0.lines()?.iter().filter(|line| line.contains("\"/version")).count() as f64)
-    }
+/// `GET /version` requests answered so far, every kube-apiserver process included.
+fn versions(audit: &Audit) -> anyhow::Result<f64> {
+    Ok(audit.lines()?.iter().filter(|line| line.contains("\"/version")).count() as f64)
 }
 
 /// What the fleet part runs.
@@ -226,7 +218,7 @@ fn start_members(api: &ControlPlane, kind: Kind, count: usize) -> anyhow::Result
 
 /// `apiserver_request_total` by verb and resource (or non-resource path), the bench's own
 /// paths left out.
-fn requests(api: &ControlPlane, audit: &VersionAudit) -> anyhow::Result<BTreeMap<String, f64>> {
+fn requests(api: &ControlPlane, audit: &Audit) -> anyhow::Result<BTreeMap<String, f64>> {
     let mut by_request = BTreeMap::new();
     for sample in scrape(api)?.samples.iter().filter(|s| s.metric == "apiserver_request_total") {
         let label = |name: &str| sample.labels.get(name).unwrap_or_default();
@@ -240,7 +232,7 @@ fn requests(api: &ControlPlane, audit: &VersionAudit) -> anyhow::Result<BTreeMap
         let Some(value) = e2e::metrics::value(sample) else { continue };
         *by_request.entry(format!("{} {what}", label("verb"))).or_insert(0.0) += value;
     }
-    by_request.insert("GET /version".into(), audit.count()?);
+    by_request.insert("GET /version".into(), versions(audit)?);
     Ok(by_request)
 }
 
@@ -255,7 +247,7 @@ fn open_watches(api: &ControlPlane) -> anyhow::Result<f64> {
 
 /// [`requests`], asked again (every 0.2 s, for up to a minute) while the API server is too busy
 /// to answer.
-fn requests_patiently(api: &ControlPlane, audit: &VersionAudit) -> anyhow::Result<BTreeMap<String, f64>> {
+fn requests_patiently(api: &ControlPlane, audit: &Audit) -> anyhow::Result<BTreeMap<String, f64>> {
     let until = Instant::now() + Duration::from_secs(60);
     loop {
         match requests(api, audit) {
@@ -320,7 +312,7 @@ fn delete_marker(api: &ControlPlane) -> anyhow::Result<()> {
 /// the runs before it.
 pub fn measure(
     api: &mut ControlPlane,
-    audit: &VersionAudit,
+    audit: &Audit,
     plan: &Plan,
     progress: &mut Progress,
     runs: &mut Vec<FleetRun>,
@@ -378,9 +370,9 @@ pub fn measure(
 }
 
 /// The outage and what follows it, into `run`.
-fn recover(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, members: &[Member], run: &mut FleetRun) -> anyhow::Result<()> {
+fn recover(api: &mut ControlPlane, audit: &Audit, plan: &Plan, members: &[Member], run: &mut FleetRun) -> anyhow::Result<()> {
     let connections = || members.iter().map(|m| m.access.connections() as f64).sum::<f64>();
-    let versions_before = audit.count()?;
+    let versions_before = versions(audit)?;
     let node_cpu = || -> anyhow::Result<f64> { members.iter().filter_map(Member::pid).map(cpu_seconds).sum() };
     let node_cpu_before = node_cpu()?;
     api.stop_apiserver()?;
@@ -422,7 +414,7 @@ fn recover(api: &mut ControlPlane, audit: &VersionAudit, plan: &Plan, members: &
     run.recovery_s = started.elapsed().as_secs_f64();
     // The API server is a new process: its counters and CPU time are all this recovery's.
     let mut recovered = requests_patiently(api, audit)?;
-    recovered.insert("GET /version".into(), audit.count()? - versions_before);
+    recovered.insert("GET /version".into(), versions(audit)? - versions_before);
     recovered.retain(|_, v| *v > 0.0);
     run.recovery_requests = recovered;
     run.recovery_cpu = apiserver_cpu(api)?;

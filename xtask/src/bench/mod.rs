@@ -505,8 +505,8 @@ fn measure(plan: &Plan, report: &mut Report, progress: &mut Progress) -> anyhow:
     progress.step("starting etcd and kube-apiserver");
     let mut cp_topo = Topology::new()?;
     // The fleet part counts `GET /version` in the API server's audit log.
-    let audit = fleet.as_ref().map(|_| fleet::VersionAudit::new()).transpose()?;
-    let audit_args = audit.as_ref().map(fleet::VersionAudit::apiserver_args).unwrap_or_default();
+    let audit = fleet.as_ref().map(|_| fleet::version_audit()).transpose()?;
+    let audit_args = audit.as_ref().map(e2e::audit::Audit::apiserver_args).unwrap_or_default();
     let mut api = ControlPlane::start_with(&mut cp_topo, &audit_args.iter().map(String::as_str).collect::<Vec<_>>())?;
     api.apply(&format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {NAMESPACE}}}\n"))?;
     create_nodes(&api)?;
