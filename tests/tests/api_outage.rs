@@ -229,43 +229,92 @@ fn an_expired_watch_410_gone_relists_without_removing_any_service() {
 
 /// Lists of what a node watches, sent by the agent (user `epx-admin`; the API server's own
 /// controllers list Services too, as `system:apiserver`).
-const AGENT_LISTS: &str = "- level: Metadata\n  users: [epx-admin]\n  verbs: [list]\n  resources:\n  \
-                           - {group: \"\", resources: [services, nodes]}\n  - {group: discovery.k8s.io, resources: [endpointslices]}";
+const AGENT_REQUESTS: &str = "- level: Metadata\n  users: [epx-admin]\n  verbs: [list, watch]\n  resources:\n  \
+                              - {group: \"\", resources: [services, nodes]}\n  - {group: discovery.k8s.io, resources: [endpointslices]}";
 const WATCHED: [&str; 3] = ["services", "endpointslices", "nodes"];
 
-/// The agent's lists recorded after the first `skip` audit lines: (resource, HTTP code, URI).
-fn agent_lists(audit: &Audit, skip: usize) -> Vec<(String, u64, String)> {
-    audit
-        .events_after(skip)
-        .expect("audit log")
+/// One of the agent's requests in the audit log.
+#[derive(Debug)]
+struct Request {
+    resource: String,
+    verb: String,
+    code: u64,
+    uri: String,
+}
+
+impl Request {
+    fn streaming_list(&self) -> bool {
+        self.verb == "watch" && self.uri.contains("sendInitialEvents=true")
+    }
+}
+
+/// The agent's lists and watches made after the first `skip` audit lines, each once (a watch is
+/// recorded when it is answered, and again when it ends: a watch made before `skip` may end after).
+fn agent_requests(audit: &Audit, skip: usize) -> Vec<Request> {
+    let mut seen = std::collections::HashSet::new();
+    let events = audit.events_after(0).expect("audit log");
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    events
         .iter()
-        .map(|e| {
-            let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
-            (text(&e["objectRef"]["resource"]), e["responseStatus"]["code"].as_u64().unwrap_or(0), text(&e["requestURI"]))
+        .enumerate()
+        .filter(|(i, e)| seen.insert(text(&e["auditID"])) && *i >= skip)
+        .map(|(_, e)| Request {
+            resource: text(&e["objectRef"]["resource"]),
+            verb: text(&e["verb"]),
+            code: e["responseStatus"]["code"].as_u64().unwrap_or(0),
+            uri: text(&e["requestURI"]),
         })
         .collect()
 }
 
-/// Each watched kind was listed successfully exactly once, in one response from the API
-/// server's cache (`resourceVersion=0`, no page size).
-fn assert_one_list_each(lists: &[(String, u64, String)], when: &str) {
+/// How the API server under test serves a kind's initial state.
+#[derive(Clone, Copy, PartialEq)]
+enum Server {
+    /// Streaming lists (Kubernetes 1.34's default).
+    Streams,
+    /// The `WatchList` feature gate is off (Kubernetes 1.33's default): streaming lists are
+    /// refused with 422.
+    RefusesStreams,
+}
+
+/// Each watched kind's state came in exactly one answered request from the API server's cache
+/// (`resourceVersion=0`): a streaming list, or a list in one page where streams are refused, after
+/// `refusals` refused streaming lists.
+fn assert_one_request_each(requests: &[Request], server: Server, refusals: usize, when: &str) {
     for resource in WATCHED {
-        let answered: Vec<_> = lists.iter().filter(|(r, code, _)| r == resource && *code == 200).collect();
-        assert_eq!(answered.len(), 1, "{when}: {resource} listed in {} answered requests: {lists:#?}", answered.len());
-        let uri = &answered[0].2;
+        let of_kind = || requests.iter().filter(move |r| r.resource == resource);
+        let streams: Vec<_> = of_kind().filter(|r| r.streaming_list() && r.code == 200).collect();
+        let lists: Vec<_> = of_kind().filter(|r| r.verb == "list" && r.code == 200).collect();
+        let refused = of_kind().filter(|r| r.streaming_list() && r.code == 422).count();
+        let answered = match server {
+            Server::Streams => {
+                assert!(lists.is_empty(), "{when}: {resource} listed besides its streaming list: {requests:#?}");
+                streams
+            }
+            Server::RefusesStreams => {
+                assert!(streams.is_empty(), "{when}: {resource}: a streaming list answered by a server that refuses them");
+                lists
+            }
+        };
+        assert_eq!(answered.len(), 1, "{when}: {resource} fetched in {} answered requests: {requests:#?}", answered.len());
+        assert_eq!(refused, refusals, "{when}: {resource}: streaming lists refused: {requests:#?}");
+        let uri = &answered[0].uri;
         assert!(
             uri.contains("resourceVersion=0") && !uri.contains("limit="),
-            "{when}: {resource} not listed from the cache in one page: {uri}"
+            "{when}: {resource} not fetched from the cache in one response: {uri}"
         );
     }
 }
 
-#[test]
-fn each_kind_is_listed_in_one_request_at_start_and_after_the_api_server_restarts() {
-    let audit = Audit::new(AGENT_LISTS).expect("audit policy");
-    let args = audit.apiserver_args();
+/// 600 Services and slices (more than kube-rs' default page of 500 objects): the agent fetches
+/// each kind in one request when it starts and again after the API server restarts.
+fn one_request_per_kind(server: Server) {
+    let audit = Audit::new(AGENT_REQUESTS).expect("audit policy");
+    let mut args = audit.apiserver_args();
+    if server == Server::RefusesStreams {
+        args.push("--feature-gates=WatchList=false".into());
+    }
     let mut env = KubeEnv::with_apiserver_args(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    // More Services and slices than kube-rs' default page of 500 objects.
     let count = 600;
     let objects: Vec<String> = (0..count)
         .flat_map(|i| {
@@ -278,26 +327,39 @@ fn each_kind_is_listed_in_one_request_at_start_and_after_the_api_server_restarts
     // web and the API server's own kubernetes Service besides.
     env.within(Duration::from_secs(60), "programming 600 more Services", |e| programmed(e) == count + 2);
 
-    // A node that starts lists each kind once.
+    // A node that starts fetches each kind once (where streams are refused: after one refusal each).
     let skip = audit.lines().expect("audit log").len();
     env.agent.stop().expect("stop agent");
     env.agent.restart().expect("agent back");
-    let at_start = agent_lists(&audit, skip);
-    eprintln!("lists at start: {at_start:#?}");
-    assert_one_list_each(&at_start, "agent start");
-    assert_eq!(at_start.len(), WATCHED.len(), "lists that failed at start: {at_start:#?}");
+    let at_start = agent_requests(&audit, skip);
+    eprintln!("requests at start: {at_start:#?}");
+    let refusals = usize::from(server == Server::RefusesStreams);
+    assert_one_request_each(&at_start, server, refusals, "agent start");
+    let failed: Vec<_> = at_start.iter().filter(|r| r.code != 200 && r.code != 422).collect();
+    assert!(failed.is_empty(), "requests that failed at start: {failed:#?}");
 
     // The API server restarts (SIGKILL): its cache is filled again from etcd while the node
-    // relists. A list that comes before the cache is ready is refused (429) and retried.
+    // fetches again. A request that comes before the cache is ready is refused (429) and retried;
+    // a refused streaming list is not tried again.
     let skip = audit.lines().expect("audit log").len();
     env.api.stop_apiserver().expect("stop apiserver");
     wait_healthz(&env, 503, Duration::from_secs(15));
     env.api.start_apiserver().expect("start apiserver");
     wait_healthz(&env, 200, Duration::from_secs(60));
-    let relists = agent_lists(&audit, skip);
-    eprintln!("lists after the restart: {relists:#?}");
-    assert_one_list_each(&relists, "relist");
+    let again = agent_requests(&audit, skip);
+    eprintln!("requests after the restart: {again:#?}");
+    assert_one_request_each(&again, server, 0, "after the restart");
     assert_eq!(programmed(&env), count + 2);
     let web = env.tcp(&format!("{VIP}:80"), 20);
     assert_eq!(web.failed, 0, "{web:?}");
+}
+
+#[test]
+fn each_kind_comes_in_one_streaming_list_at_start_and_after_the_api_server_restarts() {
+    one_request_per_kind(Server::Streams);
+}
+
+#[test]
+fn a_server_that_refuses_streaming_lists_is_listed_in_one_request_per_kind() {
+    one_request_per_kind(Server::RefusesStreams);
 }

@@ -16,6 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -282,22 +283,78 @@ impl<K: Stored> KindStore<K> {
     }
 }
 
-/// The events of one kind, each object trimmed and converted to what the store keeps.
+/// How each kind's objects are fetched at start and after a watch failed.
 ///
-/// Each list asks for `resourceVersion=0` without a page size, as kube-proxy's informers do: the
-/// API server answers it from its watch cache in one response, whatever the number of objects.
-/// kube-rs' default is a consistent read paged by 500 (3 requests per kind at 1 000 Services),
-/// and kube-core leaves `resourceVersion=0` out of any list that has a page size, so both
-/// settings are needed. A restarted API server whose cache is not filled yet answers such a list
-/// with `429` and Retry-After instead of reading etcd page by page; the watcher's backoff and the
-/// probe below retry it (`api_outage` counts the lists).
-fn watch<K, V>(api: Api<K>, config: watcher::Config) -> BoxStream<'static, Result<watcher::Event<V>, watcher::Error>>
+/// A streaming list: one watch per kind with `sendInitialEvents=true` from `resourceVersion=0`,
+/// which the API server answers from its watch cache, one object per event, closed by a
+/// bookmark; the watch then goes on. The agent never holds a whole list's response, nor all of a
+/// list's objects before they are trimmed (at 30 000 Services, their slices' list alone is tens
+/// of MiB of JSON, and more again decoded), and each kind costs one request where a list and its
+/// watch are two.
+///
+/// An API server that refuses it with `422` (the `WatchList` feature gate is off: the default of
+/// Kubernetes 1.33, and of 1.27 to 1.31) is listed instead, every kind from then on, as
+/// kube-proxy's informers do: `resourceVersion=0` without a page size, one response from the
+/// watch cache. (kube-rs' default is a consistent read paged by 500, and kube-core leaves
+/// `resourceVersion=0` out of any list that has a page size, so both settings are needed.)
+///
+/// A restarted API server whose cache is not filled yet answers either with `429` and
+/// Retry-After; the watcher's backoff and the probe below retry it (`api_outage` counts the
+/// requests).
+#[derive(Clone, Default)]
+struct InitialLists {
+    /// The API server refused a streaming list.
+    refused: Arc<AtomicBool>,
+}
+
+type Events<V> = BoxStream<'static, Result<watcher::Event<V>, watcher::Error>>;
+
+impl InitialLists {
+    fn watch<K, V>(&self, api: Api<K>, config: watcher::Config) -> Events<V>
+    where
+        K: Trim + Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Into<V> + 'static,
+        V: Stored,
+    {
+        let config = config.timeout(fastrand::u32(WATCH_TIMEOUT_SECS));
+        let listing = watcher::Config { page_size: None, ..config.clone().any_semantic() };
+        if self.refused.load(Ordering::Relaxed) {
+            return events(api, listing);
+        }
+        let streaming = events(api.clone(), config.streaming_lists());
+        let refused = self.refused.clone();
+        futures::stream::unfold((streaming, Some((api, listing))), move |(mut stream, mut fallback)| {
+            let refused = refused.clone();
+            async move {
+                loop {
+                    let event = stream.next().await?;
+                    if let (Err(watcher::Error::WatchStartFailed(kube::Error::Api(status))), Some(_)) = (&event, &fallback) {
+                        if status.code == 422 {
+                            let (api, listing) = fallback.take().expect("checked");
+                            tracing::info!(
+                                kind = K::kind(&()).as_ref(),
+                                "the API server refuses streaming lists ({}); listing instead",
+                                status.message
+                            );
+                            refused.store(true, Ordering::Relaxed);
+                            stream = events(api, listing);
+                            continue;
+                        }
+                    }
+                    return Some((event, (stream, fallback)));
+                }
+            }
+        })
+        .boxed()
+    }
+}
+
+/// The events of one kind's watcher, each object trimmed and converted to what the store keeps.
+fn events<K, V>(api: Api<K>, config: watcher::Config) -> Events<V>
 where
     K: Trim + Clone + DeserializeOwned + Debug + Send + Into<V> + 'static,
     V: Stored,
 {
-    let config = watcher::Config { page_size: None, ..config.any_semantic() };
-    watcher(api, config.timeout(fastrand::u32(WATCH_TIMEOUT_SECS)))
+    watcher(api, config)
         .default_backoff()
         .modify(Trim::trim)
         .map_ok(|event| match event {
@@ -462,9 +519,10 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
         let slices_api = Api::<EndpointSlice>::all(client.clone());
         let nodes_api = Api::<Node>::all(client.clone());
         let node_config = || watcher::Config::default().fields(&node_fields);
-        let mut services = watch(services_api.clone(), watcher::Config::default());
-        let mut slices = watch::<EndpointSlice, Slice>(slices_api.clone(), watcher::Config::default());
-        let mut nodes = watch(nodes_api.clone(), node_config());
+        let lists = InitialLists::default();
+        let mut services = lists.watch(services_api.clone(), watcher::Config::default());
+        let mut slices = lists.watch::<EndpointSlice, Slice>(slices_api.clone(), watcher::Config::default());
+        let mut nodes = lists.watch(nodes_api.clone(), node_config());
         // Set only while something fails: a healthy agent sends no request of its own.
         let mut next_probe: Option<tokio::time::Instant> = None;
         let mut probe_failed = false;
@@ -493,9 +551,9 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
                     if answered && (probe_failed || st.failing()) {
                         // Recreated watchers relist at once, without the old backoff.
                         let all = probe_failed;
-                        if all || st.services.failing { services = watch(services_api.clone(), watcher::Config::default()); }
-                        if all || st.slices.failing { slices = watch(slices_api.clone(), watcher::Config::default()); }
-                        if all || st.nodes.failing { nodes = watch(nodes_api.clone(), node_config()); }
+                        if all || st.services.failing { services = lists.watch(services_api.clone(), watcher::Config::default()); }
+                        if all || st.slices.failing { slices = lists.watch(slices_api.clone(), watcher::Config::default()); }
+                        if all || st.nodes.failing { nodes = lists.watch(nodes_api.clone(), node_config()); }
                         // Confirmed only by the relists' InitDone.
                         st.services.failing |= all;
                         st.slices.failing |= all;
