@@ -140,12 +140,16 @@ impl Report {
         self.figures.iter().find(|f| f.n == n && f.contender == contender && f.metric == metric).map(|f| f.value)
     }
 
+    /// Whether this run measured `contender` (`--contenders`).
+    fn measured(&self, contender: &str) -> bool {
+        self.run.contenders.is_empty() || self.run.contenders.iter().any(|c| c == contender)
+    }
+
     /// Every (N, contender, metric) the run must have produced that is missing or not finite.
     pub fn missing(&self) -> Vec<String> {
         let mut missing = Vec::new();
         for &n in &self.run.scales {
-            let measured = |c: &&&str| self.run.contenders.is_empty() || self.run.contenders.iter().any(|m| m == **c);
-            for contender in CONTENDERS.iter().filter(measured) {
+            for contender in CONTENDERS.iter().filter(|c| self.measured(c)) {
                 let dropped = self.run.dropped.iter().any(|d| d.contender == *contender && d.n <= n);
                 for m in METRICS {
                     if (m.proxies_only && *contender == "no-proxy") || dropped {
@@ -416,7 +420,14 @@ is full and each write fails at once, as in a flood the agent cannot keep up wit
 fn targets(report: &Report) -> String {
     let mut out = String::from("| Target | Figure | Met |\n|---|---|---|\n");
     let scales = &report.run.scales;
+    // A target against a proxy this run did not measure (`--contenders`) is neither met nor missed.
+    let measured = |contender: &str| report.measured(contender);
     let mut row = |what: String, figure: Option<f64>, goal: f64, at_least: bool| {
+        let against = ["iptables", "nftables"].into_iter().find(|mode| what.contains(mode));
+        if figure.is_none() && against.is_some_and(|mode| !measured(&format!("kube-proxy-{mode}"))) {
+            let _ = writeln!(out, "| {what} | — | not measured |");
+            return;
+        }
         let (text, met) = match figure {
             Some(f) if f.is_finite() => (format!("{f:.2}"), if at_least { f >= goal } else { f < goal }),
             _ => ("—".into(), false),
