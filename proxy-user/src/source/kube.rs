@@ -239,12 +239,12 @@ impl<K: Stored> KindStore<K> {
             }
         }
         if let Some(service) = new.map(service_of) {
+            if !self.all_dirty {
+                self.dirty.insert(service.clone());
+            }
             let members = self.by_service.entry(service).or_default();
             if let Err(at) = members.binary_search(key) {
                 members.insert(at, key.clone());
-            }
-            if !self.all_dirty {
-                self.dirty.insert(service_of(new.expect("some")));
             }
         }
     }
@@ -337,9 +337,9 @@ impl<K: Stored> KindStore<K> {
 /// watch cache. (kube-rs' default is a consistent read paged by 500, and kube-core leaves
 /// `resourceVersion=0` out of any list that has a page size, so both settings are needed.)
 ///
-/// A restarted API server whose cache is not filled yet answers either with `429` and
-/// Retry-After; the watcher's backoff and the probe below retry it (`api_outage` counts the
-/// requests).
+/// A restarted API server whose cache is not filled yet answers a streaming list, or a list, with
+/// `429` and Retry-After; the watcher's backoff and the probe below retry it (`api_outage` counts
+/// the requests).
 #[derive(Clone, Default)]
 struct InitialLists {
     /// The API server refused a streaming list.
