@@ -220,7 +220,18 @@ fn start_members(api: &ControlPlane, kind: Kind, count: usize) -> anyhow::Result
 /// paths left out.
 fn requests(api: &ControlPlane, audit: &Audit) -> anyhow::Result<BTreeMap<String, f64>> {
     let mut by_request = BTreeMap::new();
-    for sample in scrape(api)?.samples.iter().filter(|s| s.metric == "apiserver_request_total") {
+    let scrape = scrape(api)?;
+    // A watch is in `apiserver_request_total` only once it ends: the watches open now stand for
+    // the requests that opened them (ebpf-proxy's streaming list is one of them).
+    for sample in scrape.samples.iter().filter(|s| s.metric == "apiserver_longrunning_requests") {
+        if sample.labels.get("verb") != Some("WATCH") {
+            continue;
+        }
+        let Some(value) = e2e::metrics::value(sample) else { continue };
+        let resource = sample.labels.get("resource").unwrap_or_default();
+        *by_request.entry(format!("WATCH {resource} (open)")).or_insert(0.0) += value;
+    }
+    for sample in scrape.samples.iter().filter(|s| s.metric == "apiserver_request_total") {
         let label = |name: &str| sample.labels.get(name).unwrap_or_default();
         let (resource, subresource) = (label("resource"), label("subresource"));
         let what = match (resource, subresource) {

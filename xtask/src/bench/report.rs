@@ -611,7 +611,8 @@ node is a network namespace with only its loopback, a forwarder to the API serve
 interface, flow tables of 1 024 entries: no traffic flows) or a real kube-proxy in nftables mode (its informers, hence \
 its requests, are those of iptables mode; nftables programs 1 000 Services in a fraction of the time). Requests are \
 kube-apiserver's own `apiserver_request_total` (by verb and resource; the bench's reads of `/metrics` and `/readyz` left \
-out; a watch is counted when it ends, so open watches are shown apart, from `apiserver_longrunning_requests`), plus \
+out; a watch is counted there when it ends, so the watches a phase opened, the rise of `apiserver_longrunning_requests`, \
+count as its requests too, as `WATCH … (open)`, and open watches are also shown apart), plus \
 `GET /version` from its audit log (a policy that records only that path: non-resource requests are not in \
 `apiserver_request_total`); its CPU time from `/proc`. While the API server is down, each node's forwarder counts the \
 connections the node opens to it (every request, watch or probe attempt is one), as a load balancer in front would. Steady state: a window after the nodes have started and settled. Outage: kube-apiserver \
