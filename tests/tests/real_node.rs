@@ -440,10 +440,15 @@ fn reboot_while_master_down(topology: &Topology, cp: &mut ControlPlane, node: &m
         match (&resolved, &answers) {
             (Ok(ip), Ok(summary)) if *ip == remote_ip && summary.ok == 10 => break summary.clone(),
             _ if Instant::now() >= deadline => {
+                // `{:#}`, not `{:?}`: an error's Debug form carries its whole backtrace.
+                let resolved = resolved.as_ref().map_err(|e| format!("{e:#}"));
+                let answers = answers.as_ref().map_err(|e| format!("{e:#}"));
                 anyhow::bail!(
-                    "no Service routing {POD_TIMEOUT:?} after the boot: DNS {resolved:?}, TCP {answers:?}\n--- kubelet on the boot pod ---\n{}\n{}",
-                    node.kubelet_log("ebpf-proxy-boot", 40),
-                    node.pod_logs(&format!("{NAMESPACE}_{}", e2e::daemonset::BOOT_POD))
+                    // The boot pod's own logs first (what its restore did): CI shows a failure's
+                    // first and last lines only.
+                    "no Service routing {POD_TIMEOUT:?} after the boot: DNS {resolved:?}, TCP {answers:?}\n{}\n--- kubelet on the boot pod ---\n{}",
+                    node.pod_logs(&format!("{NAMESPACE}_{}", e2e::daemonset::BOOT_POD)),
+                    node.kubelet_log("ebpf-proxy-boot", 12)
                 )
             }
             _ => std::thread::sleep(Duration::from_millis(500)),
