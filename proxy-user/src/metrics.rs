@@ -136,8 +136,7 @@ impl SyncMetrics {
     /// A new view of the cluster was read: counts the Services and EndpointSlices that differ
     /// from the previous view (kube-proxy's `*_changes_total`) and holds them as pending until
     /// a sync programs everything.
-    pub fn changes_seen(&mut self, previous: &ClusterState, current: &ClusterState) {
-        let changes = ObjectChanges::between(previous, current);
+    pub fn changes_seen(&mut self, changes: ObjectChanges) {
         self.service_changes.inc_by(changes.services.len() as u64);
         self.endpoint_changes.inc_by(changes.slices.len() as u64);
         self.pending.services.extend(changes.services);
@@ -606,8 +605,8 @@ mod tests {
         after.slices[0] = slice("a", "10.0.0.3", None).into();
         after.slices.remove(1);
         after.slices.push(slice("c", "10.0.0.4", None).into());
-        metrics.changes_seen(&ClusterState::default(), &before);
-        metrics.changes_seen(&before, &after);
+        metrics.changes_seen(ObjectChanges::between(&ClusterState::default(), &before));
+        metrics.changes_seen(ObjectChanges::between(&before, &after));
         let text = rendered(&metrics, true, true);
         for line in [
             "ebpf_proxy_sync_duration_seconds_count 1\n",

@@ -374,6 +374,11 @@ impl<M: LbMaps> Reconciler<M> {
         &self.maps
     }
 
+    #[cfg(test)]
+    pub fn maps_mut(&mut self) -> &mut M {
+        &mut self.maps
+    }
+
     /// Frontends the kernel currently serves (slot 0 written).
     pub fn programmed_frontends(&self) -> usize {
         self.frontends.values().filter(|f| f.slot0.is_some()).count()

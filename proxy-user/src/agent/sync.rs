@@ -35,6 +35,8 @@ pub struct Syncer<M: LbMaps> {
     stray_node_ports: BTreeSet<u16>,
     node_port_range: PortRange,
     agent_started: SystemTime,
+    /// The programmed-Services gauge was counted while some frontend failed.
+    services_counted_with_failures: bool,
 }
 
 /// What a pass leaves for the agent to do outside the maps.
@@ -64,12 +66,18 @@ impl<M: LbMaps> Syncer<M> {
             stray_node_ports: BTreeSet::new(),
             node_port_range,
             agent_started: SystemTime::now(),
+            services_counted_with_failures: false,
         }
     }
 
     #[cfg(test)]
     pub fn reconciler(&self) -> &Reconciler<M> {
         &self.reconciler
+    }
+
+    #[cfg(test)]
+    pub fn reconciler_mut(&mut self) -> &mut Reconciler<M> {
+        &mut self.reconciler
     }
 
     /// What the checkpoint should hold.
@@ -120,9 +128,14 @@ impl<M: LbMaps> Syncer<M> {
         let health_checks = healthcheck::health_checks(&snapshot.cluster, &config.node_name);
 
         let mut st = status.lock().expect("status lock");
-        // Counted after the maps are written: comparing the views takes a while at scale.
+        // Counted after the maps are written: comparing whole views takes a while at scale (12 ms
+        // at 30 000 Services), so only when the source did not say what changed.
         if snapshot.changed_at.is_some() {
-            st.metrics.changes_seen(&self.last_view, &snapshot.cluster);
+            let changes = match snapshot.object_changes {
+                Some(changes) => changes,
+                None => metrics::ObjectChanges::between(&self.last_view, &snapshot.cluster),
+            };
+            st.metrics.changes_seen(changes);
         }
         self.last_view = snapshot.cluster;
         for rejection in new_rejections {
@@ -130,11 +143,14 @@ impl<M: LbMaps> Syncer<M> {
         }
         st.metrics.frontends.set(metrics::gauge_count(self.reconciler.programmed_frontends()));
         st.metrics.backends.set(metrics::gauge_count(self.reconciler.programmed_backends()));
-        if report.writes > 0 || failing || st.metrics.successful_syncs() == 0 {
+        // Counting the Services of every frontend takes 10 ms at 30 000: only when the count can
+        // have changed (frontends given or taken, failures now or in the count before).
+        if self.desired.owners_changed() || failing || self.services_counted_with_failures || st.metrics.successful_syncs() == 0 {
             st.metrics.services.set(metrics::gauge_count(metrics::programmed_services(
                 desired.frontends.values().map(|spec| &spec.service),
                 report.failures.iter().map(|f| f.what.as_str()),
             )));
+            self.services_counted_with_failures = failing;
         }
         st.metrics.rejected_now.set(metrics::gauge_count(rejections.len()));
         st.metrics.sync_duration.observe(elapsed.as_secs_f64());

@@ -162,11 +162,20 @@ pub struct Incremental {
     /// The losers' rejections of each contested frontend.
     collisions: BTreeMap<Frontend, Vec<Rejection>>,
     state: DesiredState,
+    /// The last update gave a frontend to, or took one from, some Service: which Services have
+    /// frontends may have changed (an endpoint change leaves it as it was).
+    owners_changed: bool,
 }
 
 impl Incremental {
     pub fn state(&self) -> &DesiredState {
         &self.state
+    }
+
+    /// Whether the last [`update`](Self::update) may have changed which Services have
+    /// frontends (a frontend added or removed, or gone to another Service).
+    pub fn owners_changed(&self) -> bool {
+        self.owners_changed
     }
 
     #[cfg(test)]
@@ -185,6 +194,7 @@ impl Incremental {
         };
         // What an abandoned incremental pass already changed counts as touched too.
         let mut touched = BTreeSet::new();
+        self.owners_changed = false;
         if let Some(changed) = incremental {
             match self.apply(changed, &node, &mut touched) {
                 Settled::Done => return touched,
@@ -195,6 +205,7 @@ impl Incremental {
         let mut fresh = Incremental::default();
         let settled = fresh.apply(&group(cluster), &node, &mut BTreeSet::new());
         fresh.node = Some(node);
+        fresh.owners_changed = true;
         // Filled one insert at a time, a B-tree keeps its nodes part empty; rebuilt from its
         // sorted contents, they are full (at 30 000 Services, about 8 MiB).
         fresh.services = std::mem::take(&mut fresh.services).into_iter().collect();
@@ -260,7 +271,7 @@ impl Incremental {
             touched.insert(frontend);
             touched.insert(external);
             let Some(claims) = self.claims.get(&frontend) else {
-                self.state.frontends.remove(&frontend);
+                self.owners_changed |= self.state.frontends.remove(&frontend).is_some();
                 self.state.frontends.remove(&external);
                 self.collisions.remove(&frontend);
                 continue;
@@ -268,7 +279,10 @@ impl Incremental {
             let Some(((_, owner_key, seq), owner)) = claims.first() else { continue };
             match fresh.remove(&(owner_key, *seq)) {
                 Some((internal, external_spec)) => {
-                    self.state.frontends.insert(frontend, internal);
+                    let before = self.state.frontends.insert(frontend, internal);
+                    self.owners_changed |= before.is_none_or(|spec| {
+                        (&spec.service.namespace, &spec.service.name) != (&owner_key.0, &owner_key.1)
+                    });
                     self.state.frontends.insert(external, external_spec);
                 }
                 None => {

@@ -208,7 +208,7 @@ pub fn start(path: PathBuf, interval: std::time::Duration, health: std::sync::Ar
             let mut view = shared.lock().expect("snapshot lock");
             // A change not read yet keeps its (earlier) time.
             let changed_at = view.changed_at.or(Some(seen));
-            *view = Snapshot { cluster, rejections, changed_at, changes: Default::default(), change_times: None };
+            *view = Snapshot { cluster, rejections, changed_at, changes: Default::default(), change_times: None, object_changes: None };
             drop(view);
             generation_tx.send_modify(|g| *g += 1);
         }

@@ -31,6 +31,7 @@ use serde::de::DeserializeOwned;
 
 use crate::agent::error_chain;
 use crate::desired::{self, Changes, ClusterState, ServiceInfo, ServiceKey, ServiceObjects, Slice};
+use crate::metrics::ObjectChanges;
 use crate::source::{Snapshot, SourceHandle, SourceHealth};
 
 /// Server-side timeout of each watch call, drawn per watcher from this range as client-go does
@@ -148,6 +149,9 @@ pub(crate) struct KindStore<K> {
     /// Services whose objects changed since the agent read them (none recorded while
     /// `all_dirty`: the agent recomputes everything then).
     dirty: BTreeSet<ServiceKey>,
+    /// Objects that changed since the agent read them, for the changes counters (none
+    /// recorded while `all_dirty`: the agent compares whole views then).
+    changed_objects: BTreeSet<ObjectKey>,
     /// A change that concerns every Service happened since the agent read.
     all_dirty: bool,
 }
@@ -206,12 +210,16 @@ impl<K: Stored> KindStore<K> {
             belongs,
             by_service: BTreeMap::new(),
             dirty: BTreeSet::new(),
+            changed_objects: BTreeSet::new(),
             all_dirty: false,
         }
     }
 
     /// Records that `key` went from `old` to `new` (either may be absent).
     fn changed(&mut self, key: &ObjectKey, old: Option<&K>, new: Option<&K>) {
+        if !self.all_dirty {
+            self.changed_objects.insert(key.clone());
+        }
         let service_of = match self.belongs {
             Belongs::All => {
                 self.all_dirty = true;
@@ -479,16 +487,23 @@ struct Stores {
 
 impl Stores {
     /// What changed since the last read, with the changed Services' current objects.
-    fn take_changes(&mut self) -> Changes {
+    /// What changed since the last read, with the changed Services' current objects, and which
+    /// Services and EndpointSlices changed (`None`: compare the views, as after `Changes::All`).
+    fn take_changes(&mut self) -> (Changes, Option<ObjectChanges>) {
         let mut dirty = std::mem::take(&mut self.services.dirty);
         dirty.append(&mut self.slices.dirty);
+        let objects = ObjectChanges {
+            services: std::mem::take(&mut self.services.changed_objects),
+            slices: std::mem::take(&mut self.slices.changed_objects),
+        };
+        self.nodes.changed_objects.clear();
         let all = !self.read_once || self.services.all_dirty || self.slices.all_dirty || self.nodes.all_dirty;
         self.read_once = true;
         self.services.all_dirty = false;
         self.slices.all_dirty = false;
         self.nodes.all_dirty = false;
         if all {
-            return Changes::All;
+            return (Changes::All, None);
         }
         let changed = dirty
             .into_iter()
@@ -498,7 +513,7 @@ impl Stores {
                 (service, objects)
             })
             .collect();
-        Changes::Services(changed)
+        (Changes::Services(changed), Some(objects))
     }
 
     fn listed(&self) -> bool {
@@ -631,7 +646,7 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
 
     let read = move || {
         let mut st = stores.lock().expect("stores lock");
-        let changes = st.take_changes();
+        let (changes, object_changes) = st.take_changes();
         Snapshot {
             changed_at: st.unread_change.take(),
             change_times: Some(std::mem::take(&mut st.change_times)),
@@ -642,6 +657,7 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
             },
             rejections: Vec::new(),
             changes,
+            object_changes,
         }
     };
     SourceHandle { generation, read: Arc::new(read) }
@@ -706,6 +722,56 @@ mod tests {
         assert_eq!(services.dirty, [key("a")].into());
         assert_eq!(services.of_service(&key("a")).len(), 1);
         assert!(services.by_service.is_empty());
+    }
+
+    /// The changes counters (kube-proxy's `*_changes_total`) come from what the stores saw
+    /// change, not from comparing every object of two views at each read.
+    #[test]
+    fn a_read_names_the_objects_that_changed_since_the_last_read() {
+        let slice = |name: &str, service: &str, ip: &str| Slice {
+            namespace: "ns".into(),
+            name: name.into(),
+            service_name: Some(service.into()),
+            // Any field that makes it another object.
+            address_type: ip.into(),
+            ..Default::default()
+        };
+        let object = |name: &str| ("ns".to_owned(), name.to_owned());
+        let mut stores = Stores {
+            services: KindStore::new("Service", Belongs::Itself),
+            slices: KindStore::new("EndpointSlice", Belongs::To(desired::slice_service_key)),
+            nodes: KindStore::new("Node", Belongs::All),
+            unread_change: None,
+            change_times: Vec::new(),
+            read_once: false,
+        };
+        list(&mut stores.services, [svc("a"), svc("b")]);
+        list(&mut stores.slices, [slice("a-1", "a", "10.0.0.1"), slice("b-1", "b", "10.0.0.2")]);
+        list(&mut stores.nodes, []);
+        let (changes, objects) = stores.take_changes();
+        assert!(matches!(changes, Changes::All) && objects.is_none(), "the first read compares whole views");
+
+        // a-1 moves to Service b with a new endpoint, b-1 is applied unchanged, Service a changes.
+        assert!(stores.slices.apply(watcher::Event::Apply(slice("a-1", "b", "10.0.0.3"))));
+        assert!(!stores.slices.apply(watcher::Event::Apply(slice("b-1", "b", "10.0.0.2"))));
+        assert!(stores.services.apply(watcher::Event::Apply(ServiceInfo { cluster_ips: vec!["10.96.0.1".into()], ..svc("a") })));
+        let (changes, objects) = stores.take_changes();
+        let Changes::Services(changed) = changes else { panic!("a change of two Services' objects is not everything") };
+        assert_eq!(changed.keys().cloned().collect::<Vec<_>>(), [object("a"), object("b")]);
+        let objects = objects.expect("the stores tracked the changed objects");
+        assert_eq!(objects.services, [object("a")].into());
+        assert_eq!(objects.slices, [object("a-1")].into());
+
+        // Read again: nothing changed since. A deletion counts.
+        assert_eq!(stores.take_changes().1, Some(ObjectChanges::default()));
+        assert!(stores.slices.apply(watcher::Event::Delete(slice("b-1", "b", "10.0.0.2"))));
+        assert_eq!(stores.take_changes().1.expect("tracked").slices, [object("b-1")].into());
+
+        // The Node concerns every Service: the next read compares whole views again.
+        assert!(stores.slices.apply(watcher::Event::Apply(slice("a-1", "b", "10.0.0.4"))));
+        assert!(stores.nodes.apply(watcher::Event::Apply(Node::default())));
+        assert!(matches!(stores.take_changes(), (Changes::All, None)));
+        assert_eq!(stores.take_changes().1, Some(ObjectChanges::default()), "nothing left over from before the Node");
     }
 
     #[test]

@@ -29,6 +29,9 @@ pub struct Snapshot {
     /// programming latency: an EndpointSlice's trigger-time annotation, else its arrival);
     /// `None`: the agent works it out by comparing views.
     pub change_times: Option<Vec<std::time::SystemTime>>,
+    /// The Services and EndpointSlices that changed since the view read before, if the source
+    /// tracked them (kube-proxy's `*_changes_total`); `None`: the agent compares the views.
+    pub object_changes: Option<crate::metrics::ObjectChanges>,
 }
 
 /// The agent's side of a running source.

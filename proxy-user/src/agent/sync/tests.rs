@@ -37,6 +37,21 @@ fn snapshot(cluster: ClusterState, changed: bool) -> Snapshot {
     Snapshot { cluster, changed_at: changed.then(Instant::now), ..Snapshot::default() }
 }
 
+/// `cluster` as the kube source hands it out when only the Services `changed` (by name, with
+/// their objects in `cluster`, or none: deleted) changed since the view before.
+fn changes_of(cluster: ClusterState, changed: &[(&str, &str)]) -> Snapshot {
+    let groups = crate::desired::group(&cluster);
+    let changes = changed
+        .iter()
+        .map(|(namespace, name)| {
+            let key = (namespace.to_string(), name.to_string());
+            let objects = groups.get(&key).cloned().unwrap_or_default();
+            (key, objects)
+        })
+        .collect();
+    Snapshot { changes: crate::desired::Changes::Services(changes), ..snapshot(cluster, true) }
+}
+
 fn config() -> NodeConfig {
     NodeConfig { node_name: NODE.into(), interface_addresses: vec!["192.168.0.10".parse().unwrap()], ..NodeConfig::default() }
 }
@@ -137,4 +152,42 @@ fn a_rejected_object_is_counted_once_while_it_stays() {
     let counted: Vec<&str> = rendered.lines().filter(|l| l.starts_with("ebpf_proxy_rejected_objects_total{")).collect();
     assert_eq!(counted.len(), 1, "{rendered}");
     assert!(counted[0].ends_with(" 1"), "counted once, not per pass: {}", counted[0]);
+}
+
+/// The programmed-Services gauge follows Services that gain or lose their frontends and a pass
+/// that recovers from a failure, though it is not counted again after every endpoint change.
+#[test]
+fn the_programmed_services_gauge_follows_services_added_removed_and_recovered() {
+    let status = Mutex::new(Status::default());
+    let services = |status: &Mutex<Status>| status.lock().unwrap().metrics.services.get();
+    let (dns, web, extra) = (("kube-system", "dns"), ("demo", "web"), ("demo", "extra"));
+    let extra_service = "---\napiVersion: v1\nkind: Service\nmetadata: {name: extra, namespace: demo}\n\
+                         spec: {clusterIP: 10.96.0.30, ports: [{port: 80, protocol: TCP}]}\n";
+    let mut syncer = syncer(FakeMaps::default());
+    let synced = syncer.sync(Instant::now(), snapshot(view(&["10.244.1.2"], ""), true), &config(), &status);
+    assert!(!synced.failing, "{synced:?}");
+    assert_eq!(services(&status), 2);
+
+    let synced = syncer.sync(Instant::now(), changes_of(view(&["10.244.1.2", "10.244.1.3"], ""), &[dns]), &config(), &status);
+    assert!(synced.wrote && !syncer.desired.owners_changed(), "an endpoint change gives or takes no frontend");
+    assert_eq!(services(&status), 2);
+
+    // The maps are full: a new Service is not programmed, and not counted.
+    let full = syncer.reconciler().maps().services.len();
+    syncer.reconciler_mut().maps_mut().capacity = full;
+    let synced = syncer.sync(Instant::now(), changes_of(view(&["10.244.1.2", "10.244.1.3"], extra_service), &[extra]), &config(), &status);
+    assert!(synced.failing, "{synced:?}");
+    assert_eq!(services(&status), 2);
+    // Room again: a pass that changes nothing retries the failed frontend, and counts it.
+    syncer.reconciler_mut().maps_mut().capacity = usize::MAX;
+    let synced = syncer.sync(Instant::now(), changes_of(view(&["10.244.1.2", "10.244.1.3"], extra_service), &[]), &config(), &status);
+    assert!(!synced.failing, "{synced:?}");
+    assert_eq!(services(&status), 3);
+
+    let mut without_web = view(&["10.244.1.2", "10.244.1.3"], extra_service);
+    without_web.services.retain(|service| service.name != "web");
+    syncer.sync(Instant::now(), changes_of(without_web, &[web]), &config(), &status);
+    assert_eq!(services(&status), 2, "web was deleted");
+    syncer.sync(Instant::now(), changes_of(view(&["10.244.1.2", "10.244.1.3"], extra_service), &[web]), &config(), &status);
+    assert_eq!(services(&status), 3, "web is back");
 }
