@@ -288,7 +288,12 @@ fn pass_time_of_one_endpoint_change_at_30000_services() {
         slices: current.slices.clone(),
         node: None,
     };
-    let parts: [(&str, &dyn Fn()); 3] = [
+    let state_dir = std::env::temp_dir().join(format!("epx-probe-checkpoint-{}", std::process::id()));
+    std::fs::create_dir_all(&state_dir).expect("state dir");
+    let parts: [(&str, &dyn Fn()); 4] = [
+        ("the checkpoint's write (off the loop)", &|| {
+            crate::checkpoint::save(&state_dir, syncer.desired()).expect("checkpoint");
+        }),
         ("health checks", &|| {
             drop(crate::healthcheck::health_checks(&view, "node-0"))
         }),
@@ -307,4 +312,7 @@ fn pass_time_of_one_endpoint_change_at_30000_services() {
         part();
         eprintln!("  of which {name}: {:.2} ms", ms(started.elapsed()));
     }
+    let size = std::fs::metadata(crate::checkpoint::path(&state_dir)).map(|m| m.len()).unwrap_or(0);
+    eprintln!("  the checkpoint: {:.1} MiB", size as f64 / 1048576.0);
+    std::fs::remove_dir_all(&state_dir).expect("removing the probe's state dir");
 }

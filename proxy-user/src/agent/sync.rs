@@ -48,6 +48,8 @@ pub struct Synced {
     /// The pass wrote the maps: affinity and UDP flows may point at a backend their frontend
     /// no longer has.
     pub wrote: bool,
+    /// Map entries the pass wrote or deleted.
+    pub writes: usize,
     /// Part of the desired state is not programmed (retried every second).
     pub failing: bool,
     /// The healthCheckNodePorts this node serves, with their local endpoint counts.
@@ -188,7 +190,7 @@ impl<M: LbMaps> Syncer<M> {
                 "synced"
             );
         }
-        Synced { gone_udp, wrote: report.writes > 0, failing, health_checks }
+        Synced { gone_udp, wrote: report.writes > 0, writes: report.writes, failing, health_checks }
     }
 }
 

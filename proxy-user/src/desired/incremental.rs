@@ -72,6 +72,9 @@ pub fn group(cluster: &ClusterState) -> BTreeMap<ServiceKey, ServiceObjects> {
     groups
 }
 
+/// A candidate's entries: its internal and its external scope's spec (often one, shared).
+type ScopeSpecs = (Arc<FrontendSpec>, Arc<FrontendSpec>);
+
 /// Where a claim stands in the settling order: phase, Service, the Service's own order.
 type ClaimOrder = (u8, ServiceKey, u32);
 
@@ -237,7 +240,7 @@ impl Incremental {
         let mut affected: BTreeSet<Frontend> = BTreeSet::new();
         // Each candidate as its entries' specs at once: the winners' become the state as they
         // are (at 30 000 Services the candidates themselves were 20 MiB more at the peak).
-        let mut fresh: BTreeMap<(&ServiceKey, u32), (Arc<FrontendSpec>, Arc<FrontendSpec>)> = BTreeMap::new();
+        let mut fresh: BTreeMap<(&ServiceKey, u32), ScopeSpecs> = BTreeMap::new();
         for (key, objects) in changed {
             if let Some(old) = self.services.remove(key) {
                 for (frontend, order) in old.claims {
@@ -375,7 +378,7 @@ impl Candidate {
     }
 
     /// The internal and the external entry (one shared spec when they are the same).
-    fn specs(self) -> (Arc<FrontendSpec>, Arc<FrontendSpec>) {
+    fn specs(self) -> ScopeSpecs {
         let spec = |(backends, local_only): (Vec<super::Backend>, bool)| FrontendSpec {
             service: self.service.clone(),
             kind: self.kind,
