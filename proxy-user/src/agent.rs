@@ -243,10 +243,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
             Ok(_) => {}
             Err(error) => tracing::warn!("cannot read the node's addresses, keeping the last ones: {error}"),
         }
-        let synced = syncer.sync(started, snapshot, &config, &status);
+        let mut synced = syncer.sync(started, snapshot, &config, &status);
         failing = synced.failing;
-        abort_udp_sockets(&cgroup, synced.gone_udp);
-        if synced.wrote {
+        abort_udp_sockets(&cgroup, std::mem::take(&mut synced.gone_udp));
+        if synced.wrote() {
             purge_stale_flows(&flows, &flows_purge);
         }
         if synced.writes >= LARGE_PASS_WRITES {
@@ -276,13 +276,12 @@ const ADDRESS_REREAD: Duration = Duration::from_secs(60);
 /// How often they are read when the announcements cannot be subscribed to.
 const ADDRESS_POLL: Duration = Duration::from_secs(2);
 
-/// Writes the checkpoint in the background if a sync changed what it should hold and no write
-/// is under way; the copy handed over shares the specs (`Arc`), so it costs the loop little.
-/// Writes the checkpoint off the loop, one write at a time. Writes are spaced so that they
-/// take at most a `CHECKPOINT_SHARE`th of a core: at 30 000 Services one is 25 MiB of JSON,
-/// fsynced, about 90 ms, and under steady churn a write every `CHECKPOINT_INTERVAL` took more
-/// CPU than the syncs themselves. A reboot then restores a state a little older at most; the
-/// agent's exit still writes the last one.
+/// Writes the checkpoint off the loop, one write at a time; the copy handed over shares the
+/// specs (`Arc`), so it costs the loop little. Writes are spaced so that they take at most a
+/// `CHECKPOINT_SHARE`th of a core: at 30 000 Services one is 25 MiB of JSON, fsynced, about
+/// 90 ms, and under steady churn a write every `CHECKPOINT_INTERVAL` took more CPU than the
+/// syncs themselves. A reboot then restores a state a little older at most; the agent's exit
+/// still writes the last one.
 #[derive(Default)]
 struct CheckpointWriter {
     /// The write under way, and when it started.
@@ -292,20 +291,6 @@ struct CheckpointWriter {
 }
 
 const CHECKPOINT_SHARE: u32 = 20;
-
-/// A pass that wrote this many entries (a cold start, a relist at scale) freed most of what it
-/// allocated along the way.
-const LARGE_PASS_WRITES: usize = 10_000;
-
-/// Hands the heap's free pages back to the kernel. glibc keeps what a large pass freed (at
-/// 30 000 Services, tens of MiB of transients), and the agent's RSS would stay at its peak.
-fn release_freed_memory() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only returns free memory of the allocator's own heaps.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
 
 impl CheckpointWriter {
     /// Starts writing what `desired` holds if a sync asked for it since the last write, none
@@ -357,6 +342,20 @@ impl CheckpointWriter {
 
     fn ended(&mut self, started: Instant, took: Duration) {
         self.not_before = Some(started + (took * CHECKPOINT_SHARE).max(CHECKPOINT_INTERVAL));
+    }
+}
+
+/// A pass that wrote this many entries (a cold start, a relist at scale) freed most of what it
+/// allocated along the way.
+const LARGE_PASS_WRITES: usize = 10_000;
+
+/// Hands the heap's free pages back to the kernel. glibc keeps what a large pass freed (at
+/// 30 000 Services, tens of MiB of transients), and the agent's RSS would stay at its peak.
+fn release_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only returns free memory of the allocator's own heaps.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 

@@ -271,7 +271,7 @@ fn pass_time_of_one_endpoint_change_at_30000_services() {
         };
         let started = Instant::now();
         let synced = syncer.sync(started, snapshot, &config, &status);
-        assert!(synced.wrote && !synced.failing);
+        assert!(synced.wrote() && !synced.failing);
         passes.push((read, started.elapsed()));
     }
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;

@@ -45,9 +45,6 @@ pub struct Synced {
     /// Local clients' connected UDP sockets were translated once, at connect(): those to a
     /// backend that left every Service are to be aborted so the clients reconnect to a live one.
     pub gone_udp: BTreeSet<SocketAddr>,
-    /// The pass wrote the maps: affinity and UDP flows may point at a backend their frontend
-    /// no longer has.
-    pub wrote: bool,
     /// Map entries the pass wrote or deleted.
     pub writes: usize,
     /// Part of the desired state is not programmed (retried every second).
@@ -190,7 +187,15 @@ impl<M: LbMaps> Syncer<M> {
                 "synced"
             );
         }
-        Synced { gone_udp, wrote: report.writes > 0, writes: report.writes, failing, health_checks }
+        Synced { gone_udp, writes: report.writes, failing, health_checks }
+    }
+}
+
+impl Synced {
+    /// The pass wrote the maps: affinity and UDP flows may point at a backend their frontend
+    /// no longer has.
+    pub fn wrote(&self) -> bool {
+        self.writes > 0
     }
 }
 

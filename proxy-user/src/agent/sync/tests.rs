@@ -90,7 +90,7 @@ fn a_pass_programs_the_view_and_says_what_is_left_to_do_outside_the_maps() {
     let mut syncer = syncer(FakeMaps::default());
 
     let synced = syncer.sync(Instant::now(), snapshot(view(&["10.244.1.2", "10.244.1.3"], ""), true), &config(), &status);
-    assert!(synced.wrote && !synced.failing && synced.gone_udp.is_empty(), "{synced:?}");
+    assert!(synced.wrote() && !synced.failing && synced.gone_udp.is_empty(), "{synced:?}");
     assert_eq!(backends_of(&syncer, "10.96.0.10:53/UDP"), ["10.244.1.2:53", "10.244.1.3:53"]);
     assert_eq!(backends_of(&syncer, "10.96.0.10:53/TCP"), ["10.244.1.2:53", "10.244.1.3:53"]);
     let checks: Vec<_> = synced.health_checks.iter().map(|(name, check)| (name.name.as_str(), check.port)).collect();
@@ -110,14 +110,14 @@ fn a_pass_programs_the_view_and_says_what_is_left_to_do_outside_the_maps() {
     // One UDP backend leaves: its connected client sockets are to be aborted (the TCP one's
     // connections go on, as with kube-proxy), and the flows of removed backends purged.
     let synced = syncer.sync(Instant::now(), snapshot(view(&["10.244.1.2"], ""), true), &config(), &status);
-    assert!(synced.wrote && !synced.failing, "{synced:?}");
+    assert!(synced.wrote() && !synced.failing, "{synced:?}");
     assert_eq!(synced.gone_udp.into_iter().collect::<Vec<_>>(), ["10.244.1.3:53".parse().unwrap()]);
     assert_eq!(backends_of(&syncer, "10.96.0.10:53/UDP"), ["10.244.1.2:53"]);
     assert_eq!(status.lock().unwrap().checkpoint_wanted, 2);
 
     // The same view again writes nothing and asks for no new checkpoint.
     let synced = syncer.sync(Instant::now(), snapshot(view(&["10.244.1.2"], ""), false), &config(), &status);
-    assert!(!synced.wrote && synced.gone_udp.is_empty(), "{synced:?}");
+    assert!(!synced.wrote() && synced.gone_udp.is_empty(), "{synced:?}");
     let st = status.lock().unwrap();
     assert_eq!((st.checkpoint_wanted, st.metrics.syncs.get()), (2, 3));
 }
@@ -169,7 +169,7 @@ fn the_programmed_services_gauge_follows_services_added_removed_and_recovered() 
     assert_eq!(services(&status), 2);
 
     let synced = syncer.sync(Instant::now(), changes_of(view(&["10.244.1.2", "10.244.1.3"], ""), &[dns]), &config(), &status);
-    assert!(synced.wrote && !syncer.desired.owners_changed(), "an endpoint change gives or takes no frontend");
+    assert!(synced.wrote() && !syncer.desired.owners_changed(), "an endpoint change gives or takes no frontend");
     assert_eq!(services(&status), 2);
 
     // The maps are full: a new Service is not programmed, and not counted.
