@@ -49,6 +49,7 @@ const PROGRAMMING_METRIC_SUM: &str = "kubeproxy_network_programming_duration_sec
 const PROGRAMMING_METRIC_COUNT: &str = "kubeproxy_network_programming_duration_seconds_count";
 /// The time a proxy spent in its syncs (both export it under kube-proxy's name).
 const SYNC_METRIC_SUM: &str = "kubeproxy_sync_proxy_rules_duration_seconds_sum";
+const SYNC_METRIC_COUNT: &str = "kubeproxy_sync_proxy_rules_duration_seconds_count";
 /// The backend the endpoint changes and the churn take out of the newest Service and put back.
 const CHANGED: u8 = BACKENDS - 1;
 /// Endpoint changes per second during the churn window.
@@ -679,9 +680,19 @@ fn cold_start(node: &mut BenchNode, n: usize, limit: Duration) -> anyhow::Result
     let pid = node.pid().context("the proxy is not running")?;
     let cpu = cpu_seconds(pid)?;
     let (_, peak) = memory_mib(pid)?;
-    let scrape = e2e::metrics::parse(&node.metrics_text()?, node.contender.name())?;
-    let syncing = e2e::metrics::sum(&scrape, SYNC_METRIC_SUM, |_| true)
-        .with_context(|| format!("{} exports no {SYNC_METRIC_SUM}", node.contender.name()))?;
+    // A sync is recorded once it ends, and the newest Service can answer before that (the
+    // maps are written first): the time is read once the sync that programmed it is recorded.
+    let name = node.contender.name();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let syncing = loop {
+        let scrape = e2e::metrics::parse(&node.metrics_text()?, name)?;
+        let recorded = |metric| e2e::metrics::sum(&scrape, metric, |_| true).unwrap_or(0.0);
+        if recorded(SYNC_METRIC_COUNT) > 0.0 {
+            break recorded(SYNC_METRIC_SUM);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{name} answers, but records no {SYNC_METRIC_COUNT} within 30 s");
+        std::thread::sleep(Duration::from_millis(20));
+    };
     if let Proxy::KubeProxy(proxy) = &mut node.proxy {
         proxy.check_running()?;
     }
