@@ -486,6 +486,17 @@ struct Stores {
 }
 
 impl Stores {
+    fn new() -> Self {
+        Self {
+            services: KindStore::new("Service", Belongs::Itself),
+            slices: KindStore::new("EndpointSlice", Belongs::To(desired::slice_service_key)),
+            nodes: KindStore::new("Node", Belongs::All),
+            unread_change: None,
+            change_times: Vec::new(),
+            read_once: false,
+        }
+    }
+
     /// What changed since the last read, with the changed Services' current objects.
     /// What changed since the last read, with the changed Services' current objects, and which
     /// Services and EndpointSlices changed (`None`: compare the views, as after `Changes::All`).
@@ -557,14 +568,7 @@ fn fold<K: Stored>(
 /// Starts the watchers and returns the handle the agent reads from.
 pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> SourceHandle {
     let (generation_tx, generation) = tokio::sync::watch::channel(0u64);
-    let stores = Arc::new(Mutex::new(Stores {
-        services: KindStore::new("Service", Belongs::Itself),
-        slices: KindStore::new("EndpointSlice", Belongs::To(desired::slice_service_key)),
-        nodes: KindStore::new("Node", Belongs::All),
-        unread_change: None,
-        change_times: Vec::new(),
-        read_once: false,
-    }));
+    let stores = Arc::new(Mutex::new(Stores::new()));
     let shared = stores.clone();
     let node_fields = format!("metadata.name={node_name}");
 
@@ -737,14 +741,7 @@ mod tests {
             ..Default::default()
         };
         let object = |name: &str| ("ns".to_owned(), name.to_owned());
-        let mut stores = Stores {
-            services: KindStore::new("Service", Belongs::Itself),
-            slices: KindStore::new("EndpointSlice", Belongs::To(desired::slice_service_key)),
-            nodes: KindStore::new("Node", Belongs::All),
-            unread_change: None,
-            change_times: Vec::new(),
-            read_once: false,
-        };
+        let mut stores = Stores::new();
         list(&mut stores.services, [svc("a"), svc("b")]);
         list(&mut stores.slices, [slice("a-1", "a", "10.0.0.1"), slice("b-1", "b", "10.0.0.2")]);
         list(&mut stores.nodes, []);
