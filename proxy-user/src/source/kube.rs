@@ -141,6 +141,9 @@ pub(crate) struct KindStore<K> {
     relist: Option<BTreeMap<ObjectKey, Arc<K>>>,
     listed: bool,
     failing: bool,
+    /// A list (or streaming list) was requested and has neither ended nor failed: the probe
+    /// leaves it running instead of starting it over.
+    listing: bool,
     belongs: Belongs<K>,
     /// Objects by the Service they belong to (`Belongs::To`), in key order: almost always one,
     /// so a sorted `Vec` (a `BTreeSet` allocates room for eleven keys: at 30 000 slices, that
@@ -207,6 +210,7 @@ impl<K: Stored> KindStore<K> {
             relist: None,
             listed: false,
             failing: false,
+            listing: false,
             belongs,
             by_service: BTreeMap::new(),
             dirty: BTreeSet::new(),
@@ -282,6 +286,7 @@ impl<K: Stored> KindStore<K> {
             // `Init` is emitted before the list request is even sent, and a relist in progress
             // is not a confirmed view: the kind stays failing (stale) until `InitDone`.
             watcher::Event::Init => {
+                self.listing = true;
                 self.relist = Some(BTreeMap::new());
                 false
             }
@@ -291,6 +296,7 @@ impl<K: Stored> KindStore<K> {
             }
             watcher::Event::InitDone => {
                 self.failing = false;
+                self.listing = false;
                 let objects = self.relist.take().unwrap_or_default();
                 let old = std::mem::take(&mut self.objects);
                 // The first list concerns every Service (and the agent's first read is of
@@ -314,6 +320,16 @@ impl<K: Stored> KindStore<K> {
                 true
             }
         }
+    }
+
+    /// Whether a probe that found the API answering starts this kind's watch over: after the
+    /// API did not answer (`all`: a watch may hang on a dead connection), or when it failed and
+    /// waits out its backoff. A list under way is left to finish: under a relist herd a
+    /// streaming list takes longer than the probe's 2-3 s, and starting it over at each probe
+    /// meant none ever ended (100 agents after a 60 s outage: none converged in 5 min, and
+    /// the API server spent a core on lists they dropped).
+    fn restart_wanted(&self, all: bool) -> bool {
+        all || (self.failing && !self.listing)
     }
 
     /// The objects that belong to `service`.
@@ -552,6 +568,7 @@ fn fold<K: Stored>(
         }
         Some(Err(error)) => {
             store.failing = true;
+            store.listing = false;
             let error = error_chain(&error);
             tracing::warn!(kind = store.kind, "watch failed; the datapath keeps its last state: {error}");
             health.failed(format!("{}: {error}", store.kind));
@@ -560,6 +577,7 @@ fn fold<K: Stored>(
         // kube-runtime watchers never end; treat it as a failure to be relisted.
         None => {
             store.failing = true;
+            store.listing = false;
             None
         }
     }
@@ -606,12 +624,13 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
                         }
                     };
                     let mut st = shared.lock().expect("stores lock");
-                    if answered && (probe_failed || st.failing()) {
+                    let all = probe_failed;
+                    let restart = [st.services.restart_wanted(all), st.slices.restart_wanted(all), st.nodes.restart_wanted(all)];
+                    if answered && restart.contains(&true) {
                         // Recreated watchers relist at once, without the old backoff.
-                        let all = probe_failed;
-                        if all || st.services.failing { services = lists.watch(services_api.clone(), watcher::Config::default()); }
-                        if all || st.slices.failing { slices = lists.watch(slices_api.clone(), watcher::Config::default()); }
-                        if all || st.nodes.failing { nodes = lists.watch(nodes_api.clone(), node_config()); }
+                        if restart[0] { services = lists.watch(services_api.clone(), watcher::Config::default()); }
+                        if restart[1] { slices = lists.watch(slices_api.clone(), watcher::Config::default()); }
+                        if restart[2] { nodes = lists.watch(nodes_api.clone(), node_config()); }
                         // Confirmed only by the relists' InitDone.
                         st.services.failing |= all;
                         st.slices.failing |= all;
