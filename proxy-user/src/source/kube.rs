@@ -142,7 +142,9 @@ pub(crate) struct KindStore<K> {
     listed: bool,
     failing: bool,
     /// A list (or streaming list) was requested and has neither ended nor failed: the probe
-    /// leaves it running instead of starting it over.
+    /// leaves it running instead of starting it over. Not `relist.is_some()`: after an error
+    /// inside a streaming list, kube-runtime's watcher goes on with the same list, whose
+    /// objects so far `relist` keeps.
     listing: bool,
     belongs: Belongs<K>,
     /// Objects by the Service they belong to (`Belongs::To`), in key order: almost always one,
@@ -513,7 +515,6 @@ impl Stores {
         }
     }
 
-    /// What changed since the last read, with the changed Services' current objects.
     /// What changed since the last read, with the changed Services' current objects, and which
     /// Services and EndpointSlices changed (`None`: compare the views, as after `Changes::All`).
     fn take_changes(&mut self) -> (Changes, Option<ObjectChanges>) {

@@ -141,6 +141,11 @@ impl Report {
         self.figures.iter().find(|f| f.n == n && f.contender == contender && f.metric == metric).map(|f| f.value)
     }
 
+    /// Whether the run produced `metric` at all (a run made before it existed did not).
+    fn has_metric(&self, metric: &str) -> bool {
+        self.figures.iter().any(|f| f.metric == metric)
+    }
+
     /// Whether this run measured `contender` (`--contenders`).
     fn measured(&self, contender: &str) -> bool {
         self.run.contenders.is_empty() || self.run.contenders.iter().any(|c| c == contender)
@@ -343,7 +348,7 @@ pub fn markdown(report: &Report) -> String {
     }
     let _ = writeln!(md, "\n## Every figure\n");
     // A metric added after the run was made (a redrawn older report) gets no table.
-    for m in METRICS.iter().filter(|m| report.figures.iter().any(|f| f.metric == m.key)) {
+    for m in METRICS.iter().filter(|m| report.has_metric(m.key)) {
         let better = if m.higher_is_better { "higher is better" } else { "lower is better" };
         let _ = writeln!(md, "### {} ({}, {better})\n", m.title, m.unit);
         let _ = writeln!(md, "| N | no proxy | ebpf-proxy | kube-proxy iptables | kube-proxy nftables | ebpf ÷ no proxy | ebpf ÷ iptables | ebpf ÷ nftables |");
@@ -460,7 +465,7 @@ fn targets(report: &Report) -> String {
         }
         row(format!("N={last}: cold start < 2 s after the agent starts"), Some(report.value(last, "ebpf-proxy", "cold_start")), 2.0, false);
         // Not measured by runs made before the figure existed.
-        let sync_time = report.figures.iter().any(|f| f.metric == "cold_sync").then(|| report.value(last, "ebpf-proxy", "cold_sync"));
+        let sync_time = report.has_metric("cold_sync").then(|| report.value(last, "ebpf-proxy", "cold_sync"));
         row(format!("N={last}: programmed < 2 s after the agent has the objects (its own sync time)"), sync_time, 2.0, false);
         row(format!("N={last}: one endpoint change reaches the datapath < 50 ms p99 (watch included)"), Some(report.value(last, "ebpf-proxy", "endpoint_change_p99")), 50.0, false);
         row(format!("N={last}: agent peak RSS < 100 MiB"), Some(report.value(last, "ebpf-proxy", "cold_peak_rss")), 100.0, false);
