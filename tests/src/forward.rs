@@ -17,6 +17,8 @@
 //! [`Forwarder::set_blackhole`] simulates a black-holed path: while it is on, no byte passes in
 //! either direction and new connections are accepted but not connected onwards; nothing is
 //! closed, so clients see a half-open connection rather than a refusal.
+//! [`Forwarder::set_rate_limit`] simulates a slow or overloaded API server: what the target
+//! sends passes at most that many bytes a second, on the connections made while it is set.
 
 use std::io;
 use std::net::SocketAddr;
@@ -40,6 +42,8 @@ struct Control {
     /// Bumped by [`Forwarder::reset_connections`]: the connections open then end.
     resets: watch::Sender<u64>,
     shutdown: watch::Sender<bool>,
+    /// Bytes a second from the target to the client, on connections made while it is set.
+    rate_limit: watch::Sender<Option<u32>>,
     /// Connections accepted so far.
     accepted: AtomicU64,
 }
@@ -79,6 +83,7 @@ impl Forwarder {
             blackhole: watch::Sender::new(false),
             resets: watch::Sender::new(0),
             shutdown: watch::Sender::new(false),
+            rate_limit: watch::Sender::new(None),
             accepted: AtomicU64::new(0),
         });
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("the forwarder's runtime")?;
@@ -109,6 +114,15 @@ impl Forwarder {
     /// connected onwards; nothing is closed. Off resumes where it stopped.
     pub fn set_blackhole(&self, on: bool) {
         self.control.blackhole.send_replace(on);
+    }
+
+    /// Connections connected onwards from now on pass what the target sends at most `bytes` a
+    /// second (`None`: as fast as it comes), with small socket buffers, so that little waits
+    /// unsent: a short answer sent after a long one (e.g. `GET /version` on the HTTP/2 connection
+    /// of a long list) waits about as long as it would behind a slow server. Connections open
+    /// already keep their pace.
+    pub fn set_rate_limit(&self, bytes: Option<u32>) {
+        self.control.rate_limit.send_replace(bytes);
     }
 
     /// Connections accepted so far: while the target is down, each is one attempt of a client to
@@ -159,14 +173,18 @@ async fn connection(mut client: TcpStream, netns: Arc<PathBuf>, target: SocketAd
     let _ = client.set_nodelay(true);
     let forward = async {
         passing(&mut blackhole.clone()).await;
+        let rate_limit = *control.rate_limit.borrow();
         // Refused or unreachable: the client's side closes (when `client` is dropped), as a
         // failed proxy's would.
-        let mut upstream = connect_from(&netns, target).await?;
+        let mut upstream = connect_from(&netns, target, rate_limit.is_some()).await?;
         let _ = upstream.set_nodelay(true);
         let (client_read, client_write) = client.split();
         let (upstream_read, upstream_write) = upstream.split();
-        tokio::try_join!(copy(client_read, upstream_write, blackhole.clone()), copy(upstream_read, client_write, blackhole.clone()))
-            .map(|_| ())
+        tokio::try_join!(
+            copy(client_read, upstream_write, blackhole.clone(), None),
+            copy(upstream_read, client_write, blackhole.clone(), rate_limit)
+        )
+        .map(|_| ())
     };
     tokio::select! {
         _ = forward => {}
@@ -174,9 +192,16 @@ async fn connection(mut client: TcpStream, netns: Arc<PathBuf>, target: SocketAd
     }
 }
 
-/// A socket made in the namespace `netns`, connected to `target`.
-async fn connect_from(netns: &Path, target: SocketAddr) -> io::Result<TcpStream> {
+/// A socket made in the namespace `netns`, connected to `target`. With `small` buffers, little
+/// of what the target sends waits unsent: a small receive buffer here, and a small segment size,
+/// which keeps the target's send buffer small too (Linux sizes it by segments: over loopback a
+/// segment is 64 kB, and a megabyte would wait in it).
+async fn connect_from(netns: &Path, target: SocketAddr, small: bool) -> io::Result<TcpStream> {
     let socket = crate::topology::in_netns(netns, || if target.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() })??;
+    if small {
+        socket.set_recv_buffer_size(SMALL_BUFFER as u32)?;
+        socket2::SockRef::from(&socket).set_tcp_mss(1400)?;
+    }
     tokio::time::timeout(CONNECT_TIMEOUT, socket.connect(target)).await.map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
 }
 
@@ -185,19 +210,33 @@ async fn passing(blackhole: &mut watch::Receiver<bool>) {
     let _ = blackhole.wait_for(|on| !*on).await;
 }
 
+/// The receive buffer of an onward socket under a rate limit, and the most read at a time.
+const SMALL_BUFFER: usize = 16 * 1024;
+
 /// Copies `from` to `to` until EOF (then half-closes `to`) or an error (then the connection
-/// ends). Bytes read just before a black hole went on are held, not delivered.
-async fn copy(mut from: impl AsyncRead + Unpin, mut to: impl AsyncWrite + Unpin, mut blackhole: watch::Receiver<bool>) -> io::Result<()> {
+/// ends), at most `rate_limit` bytes a second if set. Bytes read just before a black hole went
+/// on are held, not delivered.
+async fn copy(
+    mut from: impl AsyncRead + Unpin,
+    mut to: impl AsyncWrite + Unpin,
+    mut blackhole: watch::Receiver<bool>,
+    rate_limit: Option<u32>,
+) -> io::Result<()> {
     let mut buf = vec![0u8; 64 * 1024];
+    // Read no more than a tenth of a second's worth at a time, so that the pace is even.
+    let chunk = rate_limit.map_or(buf.len(), |rate| (rate as usize / 10).clamp(1, SMALL_BUFFER));
     loop {
         passing(&mut blackhole).await;
-        let n = from.read(&mut buf).await?;
+        let n = from.read(&mut buf[..chunk]).await?;
         if n == 0 {
             let _ = to.shutdown().await;
             return Ok(());
         }
         passing(&mut blackhole).await;
         to.write_all(&buf[..n]).await?;
+        if let Some(rate) = rate_limit {
+            tokio::time::sleep(Duration::from_secs_f64(n as f64 / f64::from(rate.max(1)))).await;
+        }
     }
 }
 
@@ -249,6 +288,25 @@ mod tests {
         conn.set_read_timeout(Some(Duration::from_secs(2))).expect("timeout");
         echo(&mut conn, b"later");
         assert_eq!(fwd.connections(), 2, "two connections were made through the forwarder");
+
+        // Under a rate limit, what comes back takes its time (only a lower bound is checked).
+        fwd.set_rate_limit(Some(50_000));
+        let mut slow = std::net::TcpStream::connect(fwd.addr()).expect("connect under the rate limit");
+        slow.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        let sent = vec![7u8; 100_000];
+        let started = std::time::Instant::now();
+        let writer = {
+            let mut slow = slow.try_clone().expect("clone");
+            let sent = sent.clone();
+            std::thread::spawn(move || slow.write_all(&sent))
+        };
+        let mut back = vec![0u8; sent.len()];
+        slow.read_exact(&mut back).expect("echo under the rate limit");
+        writer.join().expect("writer").expect("write");
+        assert_eq!(back, sent);
+        assert!(started.elapsed() >= Duration::from_millis(1500), "100 kB came back at 50 kB/s in {:?}", started.elapsed());
+        fwd.set_rate_limit(None);
+        drop(slow);
 
         let addr = fwd.addr();
         drop(fwd);

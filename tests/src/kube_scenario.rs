@@ -115,6 +115,11 @@ impl KubeEnv {
         Self::build(AgentAccess::Own, &[])
     }
 
+    /// As [`KubeEnv::with_agent_access`], with extra kube-apiserver flags.
+    pub fn with_agent_access_and_apiserver_args(apiserver_args: &[&str]) -> Self {
+        Self::build(AgentAccess::Own, apiserver_args)
+    }
+
     /// As [`KubeEnv::new`], but the agent runs in the node namespace and talks to the API server
     /// at its own address, as on a real node: NodePorts exist on the node address 10.244.1.1.
     pub fn in_node() -> Self {

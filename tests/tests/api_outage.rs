@@ -306,6 +306,23 @@ fn assert_one_request_each(requests: &[Request], server: Server, refusals: usize
     }
 }
 
+fn programmed(env: &KubeEnv) -> usize {
+    env.agent.metric("ebpf_proxy_services_programmed").expect("metrics") as usize
+}
+
+/// Creates `count` Services `many<i>` with a slice each, and waits until the agent has them all.
+fn create_many(env: &KubeEnv, count: usize) {
+    let objects: Vec<String> = (0..count)
+        .flat_map(|i| {
+            let name = format!("many{i}");
+            [service(&name, &format!("10.96.{}.{}", 100 + i / 250, 1 + i % 250)), slice(&name, &["10.244.1.11"])]
+        })
+        .collect();
+    env.api.apply(&objects.join("---\n")).unwrap_or_else(|e| panic!("creating {count} Services: {e:#}"));
+    // web and the API server's own kubernetes Service besides.
+    env.within(Duration::from_secs(60), &format!("programming {count} more Services"), |e| programmed(e) == count + 2);
+}
+
 /// 600 Services and slices (more than kube-rs' default page of 500 objects): the agent fetches
 /// each kind in one request when it starts and again after the API server restarts.
 fn one_request_per_kind(server: Server) {
@@ -316,16 +333,7 @@ fn one_request_per_kind(server: Server) {
     }
     let mut env = KubeEnv::with_apiserver_args(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let count = 600;
-    let objects: Vec<String> = (0..count)
-        .flat_map(|i| {
-            let name = format!("many{i}");
-            [service(&name, &format!("10.96.{}.{}", 100 + i / 250, 1 + i % 250)), slice(&name, &["10.244.1.11"])]
-        })
-        .collect();
-    env.api.apply(&objects.join("---\n")).expect("create 600 Services");
-    let programmed = |e: &KubeEnv| e.agent.metric("ebpf_proxy_services_programmed").expect("metrics") as usize;
-    // web and the API server's own kubernetes Service besides.
-    env.within(Duration::from_secs(60), "programming 600 more Services", |e| programmed(e) == count + 2);
+    create_many(&env, count);
 
     // A node that starts fetches each kind once (where streams are refused: after one refusal each).
     let skip = audit.lines().expect("audit log").len();
@@ -362,4 +370,54 @@ fn each_kind_comes_in_one_streaming_list_at_start_and_after_the_api_server_resta
 #[test]
 fn a_server_that_refuses_streaming_lists_is_listed_in_one_request_per_kind() {
     one_request_per_kind(Server::RefusesStreams);
+}
+
+/// After an outage the API answers, but slowly (a relist herd: every node lists at once): each
+/// kind's streaming list takes longer than the probe's 2-3 s. The probe must leave a list under
+/// way to finish; starting it over at each probe meant that none ever ended and the agent never
+/// saw the changes made meanwhile (100 agents after a 60 s outage: none converged in 5 min).
+#[test]
+fn a_relist_slower_than_the_probe_interval_is_left_to_finish() {
+    let audit = Audit::new(AGENT_REQUESTS).expect("audit policy");
+    let args = audit.apiserver_args();
+    let mut env = KubeEnv::with_agent_access_and_apiserver_args(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let count = 600;
+    create_many(&env, count);
+
+    // The API server restarts: its watch cache starts over, so every kind is listed again.
+    env.api.stop_apiserver().expect("stop apiserver");
+    wait_healthz(&env, 503, Duration::from_secs(15));
+    env.within(Duration::from_secs(30), "a probe finding no answer", |e| e.agent.log_text().contains("does not answer"));
+    // 600 Services and 600 slices are more than a megabyte of watch events: several probe
+    // intervals at 128 kB/s. (Not much slower: the API server's send buffer holds about 400 kB
+    // that an HTTP/2 PING's answer waits behind, and the connection is closed when that takes
+    // more than 5 s.)
+    env.agent_access.as_ref().expect("agent access").set_rate_limit(Some(128 * 1024));
+    let skip = audit.lines().expect("audit log").len();
+    env.api.start_apiserver().expect("start apiserver");
+    let started = Instant::now();
+    env.api.apply(&slice("web", &["10.244.1.11"])).expect("remove be2 from web");
+    env.api.delete("v1", "Service", "demo", "many0").expect("delete many0");
+    while healthz(&env).0 != 200 {
+        if started.elapsed() > Duration::from_secs(120) {
+            let requests = agent_requests(&audit, skip);
+            panic!("not every watch confirmed 120 s after the API server was back; the agent's requests since: {requests:#?}\n{}", env.agent.log_text());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let took = started.elapsed();
+    eprintln!("every watch confirmed {took:?} after the API server was back");
+    // The scenario held: the lists took longer than a few probe intervals.
+    assert!(took > Duration::from_secs(6), "the relists took only {took:?}: the rate limit did not slow them");
+    // A kind's watch may also resume where it was, without a list.
+    let requests = agent_requests(&audit, skip);
+    let lists = |resource: &str| requests.iter().filter(|r| r.resource == resource && r.streaming_list() && r.code == 200).count();
+    for resource in WATCHED {
+        assert!(lists(resource) <= 1, "{resource}: its list was started over ({} lists): {requests:#?}", lists(resource));
+    }
+    assert!(lists("services") + lists("endpointslices") > 0, "nothing large was listed again: {requests:#?}");
+    // Made after the restart: in the lists, or in the watch that follows them.
+    env.within(Duration::from_secs(30), "applying the changes made after the restart", |e| {
+        e.backends_of(&format!("{VIP}:80")) == ["10.244.1.11:8080"] && programmed(e) == count + 1
+    });
 }

@@ -146,6 +146,8 @@ pub(crate) struct KindStore<K> {
     /// inside a streaming list, kube-runtime's watcher goes on with the same list, whose
     /// objects so far `relist` keeps.
     listing: bool,
+    /// An event came from the API server since the last probe.
+    delivered: bool,
     belongs: Belongs<K>,
     /// Objects by the Service they belong to (`Belongs::To`), in key order: almost always one,
     /// so a sorted `Vec` (a `BTreeSet` allocates room for eleven keys: at 30 000 slices, that
@@ -213,6 +215,7 @@ impl<K: Stored> KindStore<K> {
             listed: false,
             failing: false,
             listing: false,
+            delivered: false,
             belongs,
             by_service: BTreeMap::new(),
             dirty: BTreeSet::new(),
@@ -266,6 +269,8 @@ impl<K: Stored> KindStore<K> {
     /// Folds in one watcher event; returns whether the visible objects changed.
     pub(crate) fn apply(&mut self, event: watcher::Event<K>) -> bool {
         let key = K::object_key;
+        // `Init` comes before the request is even sent.
+        self.delivered |= !matches!(event, watcher::Event::Init);
         match event {
             watcher::Event::Apply(object) => {
                 self.failing = false;
@@ -325,13 +330,21 @@ impl<K: Stored> KindStore<K> {
     }
 
     /// Whether a probe that found the API answering starts this kind's watch over: after the
-    /// API did not answer (`all`: a watch may hang on a dead connection), or when it failed and
+    /// API was lost (`lost`: a watch may hang on a dead connection), or when it failed and
     /// waits out its backoff. A list under way is left to finish: under a relist herd a
     /// streaming list takes longer than the probe's 2-3 s, and starting it over at each probe
     /// meant none ever ended (100 agents after a 60 s outage: none converged in 5 min, and
     /// the API server spent a core on lists they dropped).
-    fn restart_wanted(&self, all: bool) -> bool {
-        all || (self.failing && !self.listing)
+    fn restart_wanted(&self, lost: bool) -> bool {
+        lost || (self.failing && !self.listing)
+    }
+
+    /// Its watch was started over: a list is requested (its `Init` comes only with the answer's
+    /// headers, which on a slow server can take longer than the next probe), and the kind is
+    /// confirmed only by the list's `InitDone`.
+    fn restarted(&mut self) {
+        self.failing = true;
+        self.listing = true;
     }
 
     /// The objects that belong to `service`.
@@ -547,6 +560,18 @@ impl Stores {
     fn listed(&self) -> bool {
         self.services.listed && self.slices.listed && self.nodes.listed
     }
+
+    /// Whether any watch heard from the API server since the last call. Such an event shows
+    /// that the API answers, whatever a probe found: on a slow link or an overloaded server,
+    /// a probe can wait more than its 5 s behind a long list on the same HTTP/2 connection.
+    fn heard_since_probe(&mut self) -> bool {
+        let heard = self.services.delivered || self.slices.delivered || self.nodes.delivered;
+        self.services.delivered = false;
+        self.slices.delivered = false;
+        self.nodes.delivered = false;
+        heard
+    }
+
     fn failing(&self) -> bool {
         self.services.failing || self.slices.failing || self.nodes.failing
     }
@@ -613,29 +638,48 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
                 e = slices.next() => fold(&mut shared.lock().expect("stores lock").slices, e, &health),
                 e = nodes.next() => fold(&mut shared.lock().expect("stores lock").nodes, e, &health),
                 _ = tokio::time::sleep_until(next_probe.unwrap_or_else(tokio::time::Instant::now)), if next_probe.is_some() => {
-                    let answered = match tokio::time::timeout(PROBE_TIMEOUT, client.apiserver_version()).await {
-                        Ok(Ok(_)) => true,
-                        Ok(Err(error)) => {
-                            health.failed(format!("API probe: {}", error_chain(&error)));
-                            false
+                    let probe = match tokio::time::timeout(PROBE_TIMEOUT, client.apiserver_version()).await {
+                        Ok(Ok(_)) => Ok(()),
+                        Ok(Err(error)) => Err(format!("API probe: {}", error_chain(&error))),
+                        Err(_) => Err(format!("API probe: no answer within {PROBE_TIMEOUT:?}")),
+                    };
+                    let mut st = shared.lock().expect("stores lock");
+                    let heard = st.heard_since_probe();
+                    let answered = match probe {
+                        Ok(()) => true,
+                        Err(error) if heard => {
+                            tracing::debug!("{error}; the watches hear from the API meanwhile");
+                            true
                         }
-                        Err(_) => {
-                            health.failed(format!("API probe: no answer within {PROBE_TIMEOUT:?}"));
+                        Err(error) => {
+                            health.failed(error);
                             false
                         }
                     };
-                    let mut st = shared.lock().expect("stores lock");
-                    let all = probe_failed;
+                    // The API was lost when the last probe found no answer and no watch heard
+                    // from it since: every watch is started over then.
+                    let all = probe_failed && !heard;
                     let restart = [st.services.restart_wanted(all), st.slices.restart_wanted(all), st.nodes.restart_wanted(all)];
+                    tracing::debug!(
+                        answered, heard, lost = all, ?restart,
+                        failing = ?[st.services.failing, st.slices.failing, st.nodes.failing],
+                        listing = ?[st.services.listing, st.slices.listing, st.nodes.listing],
+                        "probe (Services, EndpointSlices, Node)"
+                    );
                     if answered && restart.contains(&true) {
                         // Recreated watchers relist at once, without the old backoff.
-                        if restart[0] { services = lists.watch(services_api.clone(), watcher::Config::default()); }
-                        if restart[1] { slices = lists.watch(slices_api.clone(), watcher::Config::default()); }
-                        if restart[2] { nodes = lists.watch(nodes_api.clone(), node_config()); }
-                        // Confirmed only by the relists' InitDone.
-                        st.services.failing |= all;
-                        st.slices.failing |= all;
-                        st.nodes.failing |= all;
+                        if restart[0] {
+                            services = lists.watch(services_api.clone(), watcher::Config::default());
+                            st.services.restarted();
+                        }
+                        if restart[1] {
+                            slices = lists.watch(slices_api.clone(), watcher::Config::default());
+                            st.slices.restarted();
+                        }
+                        if restart[2] {
+                            nodes = lists.watch(nodes_api.clone(), node_config());
+                            st.nodes.restarted();
+                        }
                         tracing::info!("the Kubernetes API answers again; relisting what the failed watches missed");
                     } else if !answered && !probe_failed {
                         tracing::warn!("the Kubernetes API does not answer; the datapath keeps its last state");
@@ -650,6 +694,10 @@ pub fn start(client: Client, node_name: &str, health: Arc<SourceHealth>) -> Sour
             let mut st = shared.lock().expect("stores lock");
             let stale = probe_failed || st.failing();
             if stale {
+                if next_probe.is_none() {
+                    // A failure begins: the first probe asks about the time since.
+                    st.heard_since_probe();
+                }
                 let soon = tokio::time::Instant::now() + jittered(probe_interval(unanswered));
                 next_probe = Some(next_probe.map_or(soon, |at| at.min(soon)));
             } else if was_stale && health.succeeded() {
@@ -815,5 +863,34 @@ mod tests {
         assert!(store.apply(watcher::Event::Delete(svc("b"))));
         assert!(!store.apply(watcher::Event::Delete(svc("zz"))));
         assert_eq!(names(&store), ["c"]);
+    }
+
+    #[test]
+    fn a_probe_starts_over_only_watches_that_failed_or_may_hang() {
+        let mut store = KindStore::new("Service", Belongs::Itself);
+        assert!(!store.restart_wanted(false), "a healthy watch is left alone");
+        assert!(store.restart_wanted(true), "after the API was lost, a quiet watch may hang on a dead connection");
+        store.failing = true;
+        assert!(store.restart_wanted(false), "a failed watch starts over without its backoff");
+        store.restarted();
+        assert!(!store.restart_wanted(false), "a list requested is left to answer (its Init comes with the answer)");
+        store.apply(watcher::Event::Init);
+        store.apply(watcher::Event::InitApply(svc("a")));
+        assert!(!store.restart_wanted(false), "a list under way is left to finish");
+        store.apply(watcher::Event::InitDone);
+        assert!(!store.failing && !store.restart_wanted(false));
+    }
+
+    #[test]
+    fn any_event_since_the_last_probe_shows_that_the_api_answers() {
+        let mut stores = Stores::new();
+        assert!(!stores.heard_since_probe());
+        stores.services.apply(watcher::Event::Init);
+        assert!(!stores.heard_since_probe(), "Init comes before the request is sent");
+        stores.services.apply(watcher::Event::InitApply(svc("a")));
+        assert!(stores.heard_since_probe());
+        assert!(!stores.heard_since_probe(), "each probe asks about the time since the last one");
+        stores.services.apply(watcher::Event::InitDone);
+        assert!(stores.heard_since_probe());
     }
 }
